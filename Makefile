@@ -1,0 +1,81 @@
+# resty-loom: build, test and run.
+#
+#   make run     install what is missing, build, start the example gateway
+#   make test    lint, build, run the whole test suite
+#   make build   build build/ngx_loom_module.so (NGINX_SRC=<tree> to use
+#                another nginx or OpenResty source tree)
+
+SHELL        := /bin/bash
+ROOT         := $(abspath .)
+BUILD_DIR    ?= $(ROOT)/build
+NGINX_SRC    ?= /usr/share/nginx/src
+NGINX        ?= /usr/sbin/nginx
+PYTHON       ?= python3
+PYTEST_ARGS  ?=
+SRC_DIR      := $(BUILD_DIR)/nginx-src
+MODULE       := $(BUILD_DIR)/ngx_loom_module.so
+C_SOURCES    := $(wildcard src/*.c src/*.h include/*.h) config
+RUNTIMES     := $(patsubst %/Makefile,%,$(wildcard runtimes/*/Makefile))
+
+.PHONY: all deps build runtimes test lint run clean unit bench
+
+all: build
+
+# Installs the Debian and Python packages listed in deps/ that are missing.
+deps:
+	@missing=$$(for p in $$(grep -v '^#' deps/apt-packages.txt); do \
+	    dpkg-query -W -f='$${Status}' $$p 2>/dev/null \
+	        | grep -q 'install ok installed' || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	    echo "installing: $$missing"; \
+	    if [ ! -f $(BUILD_DIR)/.apt-updated ]; then \
+	        apt-get update -qq && mkdir -p $(BUILD_DIR) \
+	        && touch $(BUILD_DIR)/.apt-updated; fi; \
+	    DEBIAN_FRONTEND=noninteractive flock /tmp/apt.lock \
+	        apt-get install -y -qq $$missing >/dev/null; \
+	fi
+	@$(PYTHON) -m pip install -q --disable-pip-version-check \
+	    -r deps/pip-requirements.txt
+	@# Debian enables the packaged nginx on install; we start our own.
+	@-systemctl disable --now nginx >/dev/null 2>&1 || true
+
+build: $(MODULE)
+
+# The configured tree depends on the set of C files (config globs them).
+$(SRC_DIR)/.configured: config $(wildcard src/*.c)
+	@mkdir -p $(BUILD_DIR)
+	@flock $(BUILD_DIR)/.lock bash -c '\
+	    rm -rf $(SRC_DIR) && cp -a $(NGINX_SRC) $(SRC_DIR) && \
+	    cd $(SRC_DIR) && \
+	    if [ -f conf_flags ]; then . ./conf_flags; \
+	    else NGX_CONF_FLAGS=(--with-compat --with-threads); fi && \
+	    ./configure "$${NGX_CONF_FLAGS[@]}" \
+	        --add-dynamic-module=$(ROOT) > $(BUILD_DIR)/configure.log 2>&1 \
+	    || { cat $(BUILD_DIR)/configure.log; exit 1; }; \
+	    touch .configured'
+
+$(MODULE): $(SRC_DIR)/.configured $(C_SOURCES)
+	@flock $(BUILD_DIR)/.lock bash -c '\
+	    cd $(SRC_DIR) && make -f objs/Makefile modules \
+	        > $(BUILD_DIR)/build.log 2>&1 \
+	    || { cat $(BUILD_DIR)/build.log; exit 1; }; \
+	    cp objs/ngx_loom_module.so $(MODULE).tmp && \
+	    mv $(MODULE).tmp $(MODULE)'
+	@echo "built $(MODULE)"
+
+runtimes:
+	@for d in $(RUNTIMES); do $(MAKE) -C $$d all || exit 1; done
+
+lint:
+	luacheck -q lib examples tests/lua bench
+
+test: deps build runtimes lint
+	$(PYTHON) -m pytest -q tests $(PYTEST_ARGS)
+
+# Starts the example gateway in the foreground on 127.0.0.1:8080.
+run: deps build runtimes
+	@examples/gateway/run.sh
+
+clean:
+	rm -rf $(BUILD_DIR)
+	@for d in $(RUNTIMES); do $(MAKE) -C $$d clean; done

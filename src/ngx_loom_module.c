@@ -1,0 +1,315 @@
+
+/*
+ * Copyright (C) resty-loom authors
+ *
+ * The base of resty-loom's nginx module:
+ *   - pins a listening socket to one worker (the events broker), so that
+ *     the other workers never accept on it, whatever accept_mutex says and
+ *     after nginx re-enables listeners when it runs out of descriptors;
+ *   - exposes the peer credentials of a UNIX-socket connection as the
+ *     variables $loom_peer_pid, $loom_peer_uid and $loom_peer_gid;
+ *   - gives every configuration generation a number, so that workers of
+ *     an old generation can tell themselves apart from the new one.
+ */
+
+
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+
+#include "ngx_loom.h"
+#include <ngx_http.h>
+#include <ngx_event.h>
+#include <sys/un.h>
+
+
+static ngx_int_t ngx_loom_add_variables(ngx_conf_t *cf);
+static ngx_int_t ngx_loom_init_module(ngx_cycle_t *cycle);
+static ngx_int_t ngx_loom_peer_variable(ngx_http_request_t *r,
+    ngx_http_variable_value_t *v, uintptr_t data);
+
+/* FFI entry points */
+int ngx_loom_ffi_pin_listener(const u_char *path, size_t len,
+    int owner, int *matched, char **err);
+long long ngx_loom_ffi_generation(void);
+int ngx_loom_ffi_worker(void);
+int ngx_loom_ffi_is_sibling(int pid);
+
+
+enum {
+    LOOM_PEER_PID = 0,
+    LOOM_PEER_UID,
+    LOOM_PEER_GID
+};
+
+
+static ngx_http_module_t  ngx_loom_module_ctx = {
+    ngx_loom_add_variables,            /* preconfiguration */
+    NULL,                              /* postconfiguration */
+    NULL,                              /* create main configuration */
+    NULL,                              /* init main configuration */
+    NULL,                              /* create server configuration */
+    NULL,                              /* merge server configuration */
+    NULL,                              /* create location configuration */
+    NULL                               /* merge location configuration */
+};
+
+
+ngx_module_t  ngx_loom_module = {
+    NGX_MODULE_V1,
+    &ngx_loom_module_ctx,              /* module context */
+    NULL,                              /* module directives */
+    NGX_HTTP_MODULE,                   /* module type */
+    NULL,                              /* init master */
+    ngx_loom_init_module,              /* init module */
+    NULL,                              /* init process */
+    NULL,                              /* init thread */
+    NULL,                              /* exit thread */
+    NULL,                              /* exit process */
+    NULL,                              /* exit master */
+    NGX_MODULE_V1_PADDING
+};
+
+
+static ngx_http_variable_t  ngx_loom_vars[] = {
+    { ngx_string("loom_peer_pid"), NULL, ngx_loom_peer_variable,
+      LOOM_PEER_PID, NGX_HTTP_VAR_NOCACHEABLE, 0 },
+    { ngx_string("loom_peer_uid"), NULL, ngx_loom_peer_variable,
+      LOOM_PEER_UID, NGX_HTTP_VAR_NOCACHEABLE, 0 },
+    { ngx_string("loom_peer_gid"), NULL, ngx_loom_peer_variable,
+      LOOM_PEER_GID, NGX_HTTP_VAR_NOCACHEABLE, 0 },
+    ngx_http_null_variable
+};
+
+
+/* set in the master at every configuration load, inherited by workers */
+static long long  ngx_loom_generation;
+
+
+static ngx_int_t
+ngx_loom_add_variables(ngx_conf_t *cf)
+{
+    ngx_http_variable_t  *var, *v;
+
+    for (v = ngx_loom_vars; v->name.len; v++) {
+        var = ngx_http_add_variable(cf, &v->name, v->flags);
+        if (var == NULL) {
+            return NGX_ERROR;
+        }
+
+        var->get_handler = v->get_handler;
+        var->data = v->data;
+    }
+
+    return NGX_OK;
+}
+
+
+static ngx_int_t
+ngx_loom_init_module(ngx_cycle_t *cycle)
+{
+    struct timeval  tv;
+
+    ngx_gettimeofday(&tv);
+
+    /* microseconds since the epoch, unique per load; the pid breaks ties */
+    ngx_loom_generation = (long long) tv.tv_sec * 1000000 + tv.tv_usec;
+    ngx_loom_generation = ngx_loom_generation * 8 + (ngx_pid & 7);
+
+    return NGX_OK;
+}
+
+
+static ngx_int_t
+ngx_loom_peer_variable(ngx_http_request_t *r, ngx_http_variable_value_t *v,
+    uintptr_t data)
+{
+    u_char         *p;
+    long            value;
+    socklen_t       len;
+    struct ucred    cred;
+
+    len = sizeof(struct ucred);
+
+    if (r->connection->sockaddr->sa_family != AF_UNIX
+        || getsockopt(r->connection->fd, SOL_SOCKET, SO_PEERCRED, &cred,
+                      &len) == -1)
+    {
+        v->not_found = 1;
+        return NGX_OK;
+    }
+
+    switch (data) {
+
+    case LOOM_PEER_PID:
+        value = cred.pid;
+        break;
+
+    case LOOM_PEER_UID:
+        value = cred.uid;
+        break;
+
+    default:
+        value = cred.gid;
+        break;
+    }
+
+    p = ngx_pnalloc(r->pool, NGX_INT64_LEN);
+    if (p == NULL) {
+        return NGX_ERROR;
+    }
+
+    v->len = ngx_sprintf(p, "%l", value) - p;
+    v->valid = 1;
+    v->no_cacheable = 1;
+    v->not_found = 0;
+    v->data = p;
+
+    return NGX_OK;
+}
+
+
+/*
+ * Stops every worker but "owner" from accepting on the UNIX listener at
+ * "path". The listening connection is freed in those workers and
+ * ls->connection set to NULL: nginx's accept mutex and its re-enabling of
+ * listeners after EMFILE both skip listeners with no connection, the way
+ * they skip reuseport sockets that belong to another worker. The socket
+ * itself stays open and is closed by nginx at exit as usual.
+ */
+int
+ngx_loom_ffi_pin_listener(const u_char *path, size_t len, int owner,
+    int *matched, char **err)
+{
+    ngx_uint_t           i;
+    ngx_event_t         *rev;
+    ngx_listening_t     *ls;
+    ngx_connection_t    *c;
+    struct sockaddr_un  *sun;
+
+    *matched = 0;
+
+    if (ngx_process != NGX_PROCESS_WORKER
+        && ngx_process != NGX_PROCESS_SINGLE)
+    {
+        *err = "not in a worker process";
+        return LOOM_FFI_BAD_CONTEXT;
+    }
+
+    ls = ngx_cycle->listening.elts;
+
+    for (i = 0; i < ngx_cycle->listening.nelts; i++) {
+
+        if (ls[i].sockaddr->sa_family != AF_UNIX) {
+            continue;
+        }
+
+        sun = (struct sockaddr_un *) ls[i].sockaddr;
+
+        if (ngx_strlen(sun->sun_path) != len
+            || ngx_strncmp(sun->sun_path, path, len) != 0)
+        {
+            continue;
+        }
+
+        (*matched)++;
+
+        if (ngx_process == NGX_PROCESS_SINGLE
+            || (ngx_int_t) ngx_worker == owner)
+        {
+            continue;
+        }
+
+        c = ls[i].connection;
+        if (c == NULL) {
+            continue;
+        }
+
+        rev = c->read;
+
+        if (rev->active) {
+            if (ngx_del_event(rev, NGX_READ_EVENT, 0) != NGX_OK) {
+                *err = "failed to remove the listener's event";
+                return LOOM_FFI_ERROR;
+            }
+        }
+
+        if (rev->timer_set) {
+            ngx_del_timer(rev);
+        }
+
+        if (rev->posted) {
+            ngx_delete_posted_event(rev);
+        }
+
+        ngx_free_connection(c);
+        c->fd = (ngx_socket_t) -1;
+        ls[i].connection = NULL;
+
+        ngx_log_error(NGX_LOG_INFO, ngx_cycle->log, 0,
+                      "loom: listener unix:%s pinned to worker %d",
+                      sun->sun_path, owner);
+    }
+
+    return LOOM_FFI_OK;
+}
+
+
+long long
+ngx_loom_ffi_generation(void)
+{
+    return ngx_loom_generation;
+}
+
+
+int
+ngx_loom_ffi_worker(void)
+{
+    if (ngx_process != NGX_PROCESS_WORKER) {
+        return -1;
+    }
+
+    return (int) ngx_worker;
+}
+
+
+/* whether "pid" is a child of this worker's master (a sibling worker) */
+int
+ngx_loom_ffi_is_sibling(int pid)
+{
+    int      fd;
+    char     buf[512], *p;
+    ssize_t  n;
+    long     ppid;
+
+    (void) ngx_snprintf((u_char *) buf, sizeof(buf), "/proc/%d/stat%Z", pid);
+
+    fd = open(buf, O_RDONLY);
+    if (fd == -1) {
+        return 0;
+    }
+
+    n = read(fd, buf, sizeof(buf) - 1);
+    close(fd);
+
+    if (n <= 0) {
+        return 0;
+    }
+
+    buf[n] = '\0';
+
+    /* the command name may hold spaces and ')': skip to the last ')' */
+    p = strrchr(buf, ')');
+    if (p == NULL) {
+        return 0;
+    }
+
+    /* ") S ppid ..." */
+    if (sscanf(p + 1, " %*c %ld", &ppid) != 1) {
+        return 0;
+    }
+
+    return ppid == (long) getppid();
+}
+
+/* vi:set ft=c ts=4 sw=4 et fdm=marker: */

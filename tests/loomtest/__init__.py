@@ -1,0 +1,1 @@
+"""Test harness for resty-loom: drives a real nginx with our module."""
