@@ -25,6 +25,7 @@
 
 static ngx_int_t ngx_loom_add_variables(ngx_conf_t *cf);
 static ngx_int_t ngx_loom_init_module(ngx_cycle_t *cycle);
+static void ngx_loom_secure_sockets(ngx_cycle_t *cycle);
 static ngx_int_t ngx_loom_peer_variable(ngx_http_request_t *r,
     ngx_http_variable_value_t *v, uintptr_t data);
 
@@ -34,6 +35,7 @@ int ngx_loom_ffi_pin_listener(const u_char *path, size_t len,
 long long ngx_loom_ffi_generation(void);
 int ngx_loom_ffi_worker(void);
 int ngx_loom_ffi_is_sibling(int pid);
+int ngx_loom_ffi_prepare_socket(const u_char *path, size_t len, char **err);
 
 
 enum {
@@ -85,6 +87,12 @@ static ngx_http_variable_t  ngx_loom_vars[] = {
 /* set in the master at every configuration load, inherited by workers */
 static long long  ngx_loom_generation;
 
+/* UNIX socket paths to restrict to the worker user (set in init_by_lua) */
+#define LOOM_MAX_SECURE_SOCKETS  8
+
+static char  ngx_loom_secure_paths[LOOM_MAX_SECURE_SOCKETS][108];
+static int   ngx_loom_nsecure;
+
 
 static ngx_int_t
 ngx_loom_add_variables(ngx_conf_t *cf)
@@ -116,7 +124,119 @@ ngx_loom_init_module(ngx_cycle_t *cycle)
     ngx_loom_generation = (long long) tv.tv_sec * 1000000 + tv.tv_usec;
     ngx_loom_generation = ngx_loom_generation * 8 + (ngx_pid & 7);
 
+    ngx_loom_secure_sockets(cycle);
+
     return NGX_OK;
+}
+
+
+/*
+ * Runs in the master after nginx has bound the listening sockets (and made
+ * UNIX ones 0666): the sockets named by the bus become 0600 and, with their
+ * directory, owned by the worker user.
+ */
+static void
+ngx_loom_secure_sockets(ngx_cycle_t *cycle)
+{
+    int               i;
+    char              dir[108], *slash;
+    ngx_core_conf_t  *ccf;
+
+    ccf = (ngx_core_conf_t *) ngx_get_conf(cycle->conf_ctx, ngx_core_module);
+
+    for (i = 0; i < ngx_loom_nsecure; i++) {
+
+        ngx_cpystrn((u_char *) dir, (u_char *) ngx_loom_secure_paths[i],
+                    sizeof(dir));
+
+        slash = strrchr(dir, '/');
+        if (slash != NULL && slash != dir) {
+            *slash = '\0';
+        }
+
+        if (geteuid() == 0 && ccf->user != (ngx_uid_t) NGX_CONF_UNSET_UINT) {
+            if (chown(ngx_loom_secure_paths[i], ccf->user, ccf->group) == -1
+                || chown(dir, ccf->user, ccf->group) == -1)
+            {
+                ngx_log_error(NGX_LOG_ALERT, cycle->log, ngx_errno,
+                              "loom: chown of \"%s\" failed",
+                              ngx_loom_secure_paths[i]);
+            }
+        }
+
+        if (chmod(ngx_loom_secure_paths[i], S_IRUSR|S_IWUSR) == -1) {
+            /* the socket is not bound yet when nginx only tests the config */
+            if (ngx_errno != NGX_ENOENT) {
+                ngx_log_error(NGX_LOG_ALERT, cycle->log, ngx_errno,
+                              "loom: chmod of \"%s\" failed",
+                              ngx_loom_secure_paths[i]);
+            }
+        }
+    }
+}
+
+
+/*
+ * Called from init_by_lua (master, before nginx binds its listeners):
+ * creates the socket's directory with mode 0700 if it is missing, refuses
+ * one that others can write to, and records the path so that init_module
+ * makes the socket 0600.
+ */
+int
+ngx_loom_ffi_prepare_socket(const u_char *path, size_t len, char **err)
+{
+    int          i;
+    char         dir[108], *slash;
+    struct stat  st;
+
+    if (len == 0 || len >= sizeof(dir) || path[0] != '/') {
+        *err = "socket path must be absolute and shorter than 108 bytes";
+        return LOOM_FFI_ERROR;
+    }
+
+    ngx_memcpy(dir, path, len);
+    dir[len] = '\0';
+
+    for (i = 0; i < ngx_loom_nsecure; i++) {
+        if (ngx_strcmp(ngx_loom_secure_paths[i], dir) == 0) {
+            break;
+        }
+    }
+
+    if (i == ngx_loom_nsecure) {
+        if (ngx_loom_nsecure == LOOM_MAX_SECURE_SOCKETS) {
+            *err = "too many event bus sockets";
+            return LOOM_FFI_ERROR;
+        }
+
+        ngx_cpystrn((u_char *) ngx_loom_secure_paths[ngx_loom_nsecure++],
+                    (u_char *) dir, sizeof(dir));
+    }
+
+    slash = strrchr(dir, '/');
+    if (slash == dir) {
+        *err = "the socket must not be in the root directory";
+        return LOOM_FFI_ERROR;
+    }
+
+    *slash = '\0';
+
+    if (mkdir(dir, S_IRWXU) == -1 && ngx_errno != NGX_EEXIST) {
+        *err = "failed to create the socket directory";
+        return LOOM_FFI_ERROR;
+    }
+
+    if (stat(dir, &st) == -1 || !S_ISDIR(st.st_mode)) {
+        *err = "the socket directory is not a directory";
+        return LOOM_FFI_ERROR;
+    }
+
+    if (st.st_mode & (S_IWGRP|S_IWOTH)) {
+        *err = "the socket directory is writable by others";
+        return LOOM_FFI_ERROR;
+    }
+
+    return LOOM_FFI_OK;
 }
 
 

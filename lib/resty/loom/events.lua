@@ -1,0 +1,1146 @@
+-- resty.loom.events: an inter-worker event bus. One worker is the broker
+-- on a `listen unix:` server; every worker (the broker too, and the
+-- privileged agent when enabled) connects to it with a cosocket, publishes
+-- and receives events. See docs/events.md.
+
+
+local ffi = require "ffi"
+local buffer = require "string.buffer"
+local semaphore = require "ngx.semaphore"
+local frame = require "resty.loom.events.frame"
+local fifo = require "resty.loom.events.fifo"
+local broker = require "resty.loom.events.broker"
+local histogram = require "resty.loom.histogram"
+
+local C = ffi.C
+local ngx = ngx
+local ngx_log = ngx.log
+local ngx_now = ngx.now
+local ngx_sleep = ngx.sleep
+local get_phase = ngx.get_phase
+local timer_at = ngx.timer.at
+local spawn = ngx.thread.spawn
+local wait = ngx.thread.wait
+local worker_exiting = ngx.worker.exiting
+local buf_new = buffer.new
+local type = type
+local error = error
+local pairs = pairs
+local ipairs = ipairs
+local xpcall = xpcall
+local tostring = tostring
+local tonumber = tonumber
+local setmetatable = setmetatable
+local traceback = debug.traceback
+local getinfo = debug.getinfo
+local str_sub = string.sub
+local str_byte = string.byte
+local random = math.random
+local min = math.min
+
+local ERR = ngx.ERR
+local WARN = ngx.WARN
+
+local T_WELCOME = frame.WELCOME
+local T_EVENT = frame.EVENT
+local T_ACK = frame.ACK
+local T_PING = frame.PING
+local T_PONG = frame.PONG
+local T_REJECT = frame.REJECT
+local T_HELLO = frame.HELLO
+local FLAG_MORE = frame.FLAG_MORE
+local FRAME_SIZE = frame.FRAME_SIZE
+local EVENT_SIZE = frame.EVENT_SIZE
+local ALL = frame.ALL
+local OTHERS = frame.OTHERS
+local UNIQUE = frame.UNIQUE
+local AGENT = frame.AGENT
+local LOCAL = -100                  -- "current": never leaves the worker
+
+local INTERNAL = "loom.bus"         -- source of the bus's own events
+local READ_SIZE = 65536
+local LOG_INTERVAL = 10
+local MAX_PAYLOAD_LIMIT = 64 * 1024 * 1024
+local UNIQUE_KEY_MAX = 1024
+local WAIT_PHASES = {
+    rewrite = true, access = true, content = true, timer = true,
+    ssl_cert = true, ssl_session_fetch = true,
+}
+
+local DEFAULTS = {
+    broker = 0,
+    max_queue = 100000,
+    max_queue_bytes = 64 * 1024 * 1024,
+    max_payload = 1024 * 1024,
+    overflow = "reject",
+    wait_timeout = 1,
+    privileged_agent = false,
+    unique_window = 5,
+    heartbeat = 1,
+    slow_timeout = 5,
+    exit_timeout = 3,
+}
+
+local OVERFLOW = { reject = true, drop_oldest = true, wait = true }
+
+
+ffi.cdef [[
+typedef struct { long tv_sec; long tv_nsec; } loom_timespec_t;
+int clock_gettime(int clk, loom_timespec_t *ts);
+long long ngx_loom_ffi_generation(void);
+int ngx_loom_ffi_pin_listener(const unsigned char *path, size_t len,
+    int owner, int *matched, char **err);
+int ngx_loom_ffi_prepare_socket(const unsigned char *path, size_t len,
+    char **err);
+]]
+
+local CLOCK_MONOTONIC = 1
+local ts = ffi.new("loom_timespec_t")
+local errmsg = ffi.new("char *[1]")
+local matched = ffi.new("int[1]")
+
+local function mono()
+    C.clock_gettime(CLOCK_MONOTONIC, ts)
+    return tonumber(ts.tv_sec) + tonumber(ts.tv_nsec) * 1e-9
+end
+
+
+local function log(level, ...)
+    ngx_log(level, "[loom.events] ", ...)
+end
+
+
+local function count(t, key, n)
+    t[key] = (t[key] or 0) + (n or 1)
+end
+
+
+local _M = { _VERSION = "0.1.0" }
+local mt = { __index = _M }
+
+local default_bus
+local collectors = {}
+
+
+local function check_opts(opts)
+    if type(opts) ~= "table" then
+        error("opts must be a table", 3)
+    end
+    local o = {}
+    for k, v in pairs(DEFAULTS) do
+        o[k] = v
+    end
+    for k, v in pairs(opts) do
+        if DEFAULTS[k] == nil and k ~= "socket" then
+            error("opts." .. tostring(k) .. " is not a known option", 3)
+        end
+        o[k] = v
+    end
+
+    local path = o.socket
+    if type(path) ~= "string" then
+        error("opts.socket must be a string (the path of the bus's "
+              .. "UNIX socket)", 3)
+    end
+    if str_sub(path, 1, 5) == "unix:" then
+        path = str_sub(path, 6)
+    end
+    if str_byte(path, 1) ~= 47 or #path >= 108 then
+        error("opts.socket must be an absolute path shorter than 108 "
+              .. "bytes", 3)
+    end
+    o.socket = path
+
+    local function int(name, lo, hi)
+        local v = o[name]
+        if type(v) ~= "number" or v % 1 ~= 0 or v < lo or (hi and v > hi) then
+            error("opts." .. name .. " must be an integer >= " .. lo
+                  .. (hi and (" and <= " .. hi) or ""), 4)
+        end
+    end
+    local function num(name, lo)
+        local v = o[name]
+        if type(v) ~= "number" or v <= lo then
+            error("opts." .. name .. " must be a number > " .. lo, 4)
+        end
+    end
+
+    int("broker", 0)
+    int("max_queue", 1)
+    int("max_queue_bytes", 1024)
+    int("max_payload", 1, MAX_PAYLOAD_LIMIT)
+    num("wait_timeout", 0)
+    num("unique_window", 0)
+    num("heartbeat", 0)
+    num("slow_timeout", 0)
+    num("exit_timeout", 0)
+    if not OVERFLOW[o.overflow] then
+        error('opts.overflow must be "reject", "drop_oldest" or "wait"', 3)
+    end
+    if type(o.privileged_agent) ~= "boolean" then
+        error("opts.privileged_agent must be a boolean", 3)
+    end
+    if o.max_queue_bytes < o.max_payload + 1024 then
+        error("opts.max_queue_bytes must be larger than opts.max_payload", 3)
+    end
+    return o
+end
+
+
+-- Creates the bus. Call it in init_by_lua: it prepares the socket's
+-- directory (mode 0700) before nginx binds the socket.
+function _M.new(opts)
+    local o = check_opts(opts)
+
+    local phase = get_phase()
+    if phase == "init" then
+        local p = o.socket
+        if C.ngx_loom_ffi_prepare_socket(p, #p, errmsg) ~= 0 then
+            error("opts.socket: " .. ffi.string(errmsg[0]), 2)
+        end
+    end
+
+    local self = {
+        opts = o,
+        ready = false,
+        connected = false,
+        initialized = false,
+        worker = nil,
+        pid = nil,
+        worker_count = 0,
+        generation = nil,
+        broker_state = nil,
+
+        -- publishing
+        seq = 0,
+        all_seq = 0,
+        others_seq = 0,
+        direct_seq = {},
+        unsent = buf_new(65536),
+        unsent_q = fifo.new(),      -- (seq, bytes) per unsent event
+        unacked = buf_new(65536),
+        unacked_q = fifo.new(),     -- (seq, bytes) per sent event
+        pending = 0,                -- events unsent + unacked
+        pending_bytes = 0,
+        wsema = semaphore.new(),    -- data to send
+        space = semaphore.new(),    -- room in the queue
+        waiters = 0,
+
+        -- receiving
+        inbox = {},                 -- ring of events for the handlers
+        inbox_head = 1,
+        inbox_tail = 0,
+        isema = semaphore.new(),
+        rspace = semaphore.new(),
+        rwaiters = 0,
+        last_seq = {},              -- pid -> last seq seen
+        last_all = {},              -- pid -> last "all" stream seq
+        last_others = {},           -- pid -> last "others" stream seq
+        last_direct = {},           -- pid -> last direct stream seq
+
+        -- subscriptions
+        subs = {},                  -- id -> { source, event, fn, site }
+        next_sub = 0,
+        gap_hooks = {},
+
+        counters = {
+            published = {},         -- target kind -> count
+            delivered = 0,          -- events handed to handlers
+            handler_calls = 0,
+            handler_errors = 0,
+            dropped = {},           -- reason -> count
+            gaps = 0,
+            duplicates = 0,
+            reconnects = 0,
+            connects = 0,
+            rejected = 0,
+        },
+        latency = histogram.new(),
+        last_warn = {},
+    }
+    setmetatable(self, mt)
+    default_bus = self
+    return self
+end
+
+
+-- The bus created last in this process (nil when none).
+function _M.get()
+    return default_bus
+end
+
+
+local function warn_once(self, what, ...)
+    local now = ngx_now()
+    if now - (self.last_warn[what] or 0) >= LOG_INTERVAL then
+        self.last_warn[what] = now
+        log(WARN, ...)
+    end
+end
+
+
+-- inbox ------------------------------------------------------------------
+
+local function inbox_len(self)
+    return self.inbox_tail - self.inbox_head + 1
+end
+
+
+local function inbox_push(self, source, event, data, wid, latency)
+    local t = self.inbox_tail + 1
+    self.inbox_tail = t
+    local box = self.inbox
+    local i = (t - 1) * 5
+    box[i + 1] = source
+    box[i + 2] = event
+    box[i + 3] = data
+    box[i + 4] = wid
+    box[i + 5] = latency
+    self.isema:post(1)
+end
+
+
+local function inbox_pop(self)
+    local h = self.inbox_head
+    if h > self.inbox_tail then
+        return nil
+    end
+    local box = self.inbox
+    local i = (h - 1) * 5
+    local source, event, data, wid, latency =
+        box[i + 1], box[i + 2], box[i + 3], box[i + 4], box[i + 5]
+    box[i + 1], box[i + 2], box[i + 3], box[i + 4], box[i + 5] =
+        nil, nil, nil, nil, nil
+    if h == self.inbox_tail then
+        self.inbox_head = 1
+        self.inbox_tail = 0
+    else
+        self.inbox_head = h + 1
+    end
+    return source, event, data, wid, latency
+end
+
+
+-- dispatch ---------------------------------------------------------------
+
+local function run_handler(self, sub, data, event, source, wid)
+    self.counters.handler_calls = self.counters.handler_calls + 1
+    local ok, err = xpcall(sub.fn, traceback, data, event, source, wid)
+    if not ok then
+        self.counters.handler_errors = self.counters.handler_errors + 1
+        log(ERR, "handler for source=", source, " event=", event,
+            " (subscribed at ", sub.site, ") failed: ", err)
+    end
+end
+
+
+local function handle_internal(self, event, data, wid)
+    if event == "collect" then
+        local fn = collectors[data.name]
+        local ok, value
+        if fn then
+            ok, value = xpcall(fn, traceback)
+            if not ok then
+                log(ERR, "collector ", data.name, " failed: ", value)
+                value = nil
+            end
+        end
+        self:publish(wid == AGENT and "agent" or wid, INTERNAL, "collected",
+                     { id = data.id, worker = self.worker, value = value })
+
+    elseif event == "collected" then
+        local pend = self.collecting and self.collecting[data.id]
+        if pend then
+            pend.results[tostring(data.worker)] = data.value or ngx.null
+            pend.n = pend.n + 1
+            pend.sema:post(1)
+        end
+    end
+end
+
+
+local function dispatch(self, source, event, data, wid)
+    if source == INTERNAL then
+        return handle_internal(self, event, data, wid)
+    end
+    self.counters.delivered = self.counters.delivered + 1
+    -- registration order, across wildcard and exact subscriptions
+    for id = 1, self.next_sub do
+        local sub = self.subs[id]
+        if sub and (sub.source == "*" or sub.source == source)
+           and (sub.event == "*" or sub.event == event) then
+            run_handler(self, sub, data, event, source, wid)
+        end
+    end
+end
+
+
+local function handler_loop(premature, self)
+    if premature then
+        return
+    end
+    while true do
+        local source, event, data, wid, latency = inbox_pop(self)
+        if source then
+            if latency then
+                self.latency:record(mono() - latency)
+            end
+            if self.rwaiters > 0 then
+                self.rspace:post(1)
+            end
+            dispatch(self, source, event, data, wid)
+        else
+            if worker_exiting() and not self.connected then
+                return
+            end
+            self.isema:wait(1)
+        end
+    end
+end
+
+
+-- receiving --------------------------------------------------------------
+
+-- bookkeeping of one publisher's sequence numbers: drops duplicates (a
+-- re-send after a broker restart) and counts gaps
+local function accept_seq(self, e, seq)
+    local pid = e.pid
+    local last = self.last_seq[pid]
+    if last and seq <= last then
+        self.counters.duplicates = self.counters.duplicates + 1
+        return false
+    end
+    self.last_seq[pid] = seq
+
+    local target = e.target
+    local stream = e.stream_seq
+    if stream > 0 then
+        local book = target == ALL and self.last_all
+                     or target == OTHERS and self.last_others
+                     or self.last_direct
+        local prev = book[pid]
+        book[pid] = stream
+        if prev and stream > prev + 1 then
+            local missing = stream - prev - 1
+            self.counters.gaps = self.counters.gaps + missing
+            warn_once(self, "gap", "gap: ", missing, " event(s) from worker ",
+                      e.publisher, " (pid ", pid, ") missing; ",
+                      self.counters.gaps, " so far")
+            for _, hook in ipairs(self.gap_hooks) do
+                local ok, err = xpcall(hook, traceback, e.publisher, missing)
+                if not ok then
+                    log(ERR, "gap hook failed: ", err)
+                end
+            end
+        end
+    end
+    return true
+end
+
+
+local function receive_event(self, seq, p, len)
+    if len < EVENT_SIZE then
+        return nil, "short event"
+    end
+    local e = frame.event_header(p)
+    local off = EVENT_SIZE + e.key_len
+    if off + e.body_len ~= len then
+        return nil, "bad event lengths"
+    end
+    if not accept_seq(self, e, seq) then
+        return true
+    end
+    local ok, source, event, data = pcall(frame.decode_body, p + off,
+                                          e.body_len)
+    if not ok then
+        return nil, "undecodable event"
+    end
+    local wid = e.publisher
+    inbox_push(self, source, event, data, wid, e.published_at)
+    return true
+end
+
+
+local function on_ack(self, seq)
+    local q = self.unacked_q
+    local freed = 0
+    while true do
+        local s, bytes = q:peek()
+        if not s or s > seq then
+            break
+        end
+        q:pop()
+        self.unacked:skip(bytes)
+        self.pending = self.pending - 1
+        self.pending_bytes = self.pending_bytes - bytes
+        freed = freed + 1
+    end
+    if freed > 0 and self.waiters > 0 then
+        self.space:post(min(freed, self.waiters))
+    end
+end
+
+
+local function reader(self, sock)
+    local rbuf = buf_new(READ_SIZE)
+    local partial, partial_seq
+    local idle = 0
+    local max_frame = frame.CHUNK
+    local max_event = self.opts.max_payload + EVENT_SIZE + UNIQUE_KEY_MAX
+    sock:settimeout(self.opts.heartbeat * 1000)
+
+    while true do
+        -- back-pressure: stop reading while the handlers are behind
+        while inbox_len(self) >= self.opts.max_queue do
+            self.rwaiters = self.rwaiters + 1
+            self.rspace:wait(1)
+            self.rwaiters = self.rwaiters - 1
+        end
+
+        local data, err = sock:receiveany(READ_SIZE)
+        if not data then
+            if err ~= "timeout" then
+                return nil, err
+            end
+            idle = idle + 1
+            if idle >= 3 then
+                return nil, "broker heartbeat timeout"
+            end
+            if self.stopping then
+                return true
+            end
+        else
+            idle = 0
+            rbuf:put(data)
+            while true do
+                local h, pp, size = frame.peek(rbuf, max_frame)
+                if h == nil then
+                    break
+                end
+                if h == false then
+                    return nil, pp
+                end
+                local typ = h.type
+                local ok
+                if typ == T_EVENT then
+                    local plen = size - FRAME_SIZE
+                    local seq = h.seq
+                    if partial then
+                        if seq ~= partial_seq then
+                            return nil, "interleaved chunks"
+                        end
+                        partial:putcdata(pp, plen)
+                        if #partial > max_event then
+                            return nil, "event too large"
+                        end
+                        if h.flags == 0 then
+                            local fp, flen = partial:ref()
+                            ok, err = receive_event(self, seq, fp, flen)
+                            partial = nil
+                            if not ok then
+                                return nil, err
+                            end
+                        end
+                    elseif h.flags == FLAG_MORE then
+                        partial = buf_new(2 * max_frame)
+                        partial_seq = seq
+                        partial:putcdata(pp, plen)
+                    else
+                        ok, err = receive_event(self, seq, pp, plen)
+                        if not ok then
+                            return nil, err
+                        end
+                    end
+
+                elseif typ == T_ACK then
+                    on_ack(self, h.seq)
+
+                elseif typ == T_PONG then
+                    self.last_pong = ngx_now()
+
+                elseif typ == T_REJECT then
+                    local _, reason = pcall(frame.decode_control, pp,
+                                            size - FRAME_SIZE)
+                    return nil, "rejected by the broker: " .. tostring(reason)
+
+                else
+                    return nil, "unexpected frame type " .. tostring(typ)
+                end
+                rbuf:skip(size)
+            end
+        end
+    end
+end
+
+
+-- sending ----------------------------------------------------------------
+
+local function writer(self, sock, link)
+    local last_send = ngx_now()
+    local hb = self.opts.heartbeat
+    while true do
+        if #self.unsent == 0 then
+            if self.stopping then
+                return true
+            end
+            self.wsema:wait(hb / 2)
+        end
+        if link.closed then
+            return true
+        end
+        if #self.unsent > 0 then
+            -- everything queued goes in one write; it stays in unacked
+            -- until the broker acknowledges it
+            local q, uq = self.unsent_q, self.unacked_q
+            while true do
+                local s, bytes = q:pop()
+                if not s then
+                    break
+                end
+                uq:push(s, bytes)
+            end
+            local data = self.unsent:get()
+            self.unacked:put(data)
+            local ok, err = sock:send(data)
+            if not ok then
+                return nil, "failed to send: " .. err
+            end
+            last_send = ngx_now()
+        elseif ngx_now() - last_send >= hb / 2 then
+            local out = buf_new(FRAME_SIZE)
+            frame.put_header(out, T_PING, 0, 0, 0)
+            local ok, err = sock:send(out:get())
+            if not ok then
+                return nil, "failed to send: " .. err
+            end
+            last_send = ngx_now()
+        end
+    end
+end
+
+
+-- after a reconnect, whatever the broker had not acknowledged goes again,
+-- ahead of what was never sent
+local function requeue_unacked(self)
+    if #self.unacked == 0 then
+        return
+    end
+    local rest = self.unsent:get()
+    local q = self.unsent_q
+    local merged = fifo.new()
+    while true do
+        local s, bytes = self.unacked_q:pop()
+        if not s then
+            break
+        end
+        merged:push(s, bytes)
+    end
+    while true do
+        local s, bytes = q:pop()
+        if not s then
+            break
+        end
+        merged:push(s, bytes)
+    end
+    self.unsent_q = merged
+    self.unsent:put(self.unacked:get())
+    self.unsent:put(rest)
+    self.unacked:reset()
+end
+
+
+local function handshake(self, sock)
+    local path = self.opts.socket
+    local ok, err = sock:connect("unix:" .. path)
+    if not ok then
+        return nil, "failed to connect: " .. err
+    end
+    ok, err = sock:send("GET /loom/events HTTP/1.1\r\nHost: loom\r\n"
+                        .. "Upgrade: loom-events/1\r\n"
+                        .. "Connection: Upgrade\r\n\r\n")
+    if not ok then
+        return nil, "failed to send the upgrade: " .. err
+    end
+    local line
+    line, err = sock:receive("*l")
+    if not line then
+        return nil, "failed to read the upgrade response: " .. err
+    end
+    if str_sub(line, 1, 12) ~= "HTTP/1.1 101" then
+        return nil, "broker refused the upgrade: " .. line
+    end
+    repeat
+        line, err = sock:receive("*l")
+        if not line then
+            return nil, "failed to read the upgrade response: " .. err
+        end
+    until line == ""
+
+    local out = buf_new(256)
+    frame.put_control(out, T_HELLO, 0, {
+        version = frame.VERSION,
+        worker = self.worker,
+        pid = self.pid,
+        generation = self.generation,
+    })
+    ok, err = sock:send(out:get())
+    if not ok then
+        return nil, "failed to send the hello: " .. err
+    end
+
+    local hdr
+    hdr, err = sock:receive(FRAME_SIZE)
+    if not hdr then
+        return nil, "no welcome: " .. err
+    end
+    local rbuf = buf_new()
+    rbuf:put(hdr)
+    local h = ffi.cast("loom_ev_frame_t *", (rbuf:ref()))
+    local len = h.len
+    local typ = h.type
+    if h.version ~= frame.VERSION or len > 4096 then
+        return nil, "bad welcome"
+    end
+    local body = ""
+    if len > 0 then
+        body, err = sock:receive(len)
+        if not body then
+            return nil, "no welcome: " .. err
+        end
+    end
+    if typ == T_REJECT then
+        local _, reason = pcall(buffer.decode, body)
+        return nil, "rejected by the broker: " .. tostring(reason), reason
+    end
+    if typ ~= T_WELCOME then
+        return nil, "bad welcome"
+    end
+    return true
+end
+
+
+local function client_loop(premature, self)
+    if premature then
+        return
+    end
+    local backoff = 0.01
+    local first = true
+    while not self.stopping do
+        local sock = ngx.socket.tcp()
+        sock:settimeout(2000)
+        local ok, err, reason = handshake(self, sock)
+        if ok then
+            if not first then
+                self.counters.reconnects = self.counters.reconnects + 1
+            end
+            first = false
+            self.counters.connects = self.counters.connects + 1
+            self.connected = true
+            self.ready = true
+            backoff = 0.01
+            requeue_unacked(self)
+            local link = { closed = false }
+            local wt = spawn(writer, self, sock, link)
+            local rok, rerr = reader(self, sock)
+            link.closed = true
+            self.wsema:post(1)
+            local _, wok, werr = wait(wt)
+            self.connected = false
+            sock:close()
+            if self.stopping then
+                break
+            end
+            if not rok or not wok then
+                log(WARN, "lost the broker: ", rerr or werr,
+                    "; reconnecting")
+            end
+        else
+            sock:close()
+            if reason == "other generation" then
+                -- an old worker during a reload: the old broker is gone
+                self.counters.rejected = self.counters.rejected + 1
+                if worker_exiting() then
+                    break
+                end
+            elseif not worker_exiting() then
+                warn_once(self, "connect", "cannot reach the broker: ", err)
+            end
+            if worker_exiting() and self.pending == 0 then
+                break
+            end
+        end
+        if self.stopping then
+            break
+        end
+        ngx_sleep(backoff * (0.5 + random()))
+        backoff = min(backoff * 2, 1)
+    end
+    self.connected = false
+    self.isema:post(1)
+end
+
+
+-- At worker exit: send what is queued, wait for the acks, then stop.
+local function exit_watch(premature, self)
+    if not premature then
+        return
+    end
+    local deadline = ngx_now() + self.opts.exit_timeout
+    while self.pending > 0 and ngx_now() < deadline do
+        self.wsema:post(1)
+        ngx_sleep(0.01)
+        ngx.update_time()
+    end
+    if self.pending > 0 then
+        log(WARN, "worker exiting with ", self.pending,
+            " event(s) not acknowledged by the broker")
+    end
+    -- let the handlers drain the inbox
+    deadline = ngx_now() + self.opts.exit_timeout
+    while inbox_len(self) > 0 and ngx_now() < deadline do
+        ngx_sleep(0.01)
+        ngx.update_time()
+    end
+    self.stopping = true
+    self.wsema:post(1)
+    self.isema:post(1)
+end
+
+
+-- Connects this worker to the bus. Call it in init_worker_by_lua.
+function _M.init_worker(self)
+    if self.initialized then
+        return true
+    end
+    local opts = self.opts
+    local wid = ngx.worker.id()
+    local ptype = require("ngx.process").type()
+    if ptype == "privileged agent" then
+        if not opts.privileged_agent then
+            return nil, "privileged agent not enabled (opts.privileged_agent)"
+        end
+        wid = AGENT
+    elseif wid == nil then
+        return nil, "failed to init: not a worker process"
+    end
+    self.worker = wid
+    self.pid = ngx.worker.pid()
+    self.worker_count = ngx.worker.count()
+    self.generation = tonumber(C.ngx_loom_ffi_generation())
+
+    if wid ~= AGENT then
+        local p = opts.socket
+        local rc = C.ngx_loom_ffi_pin_listener(p, #p, opts.broker, matched,
+                                              errmsg)
+        if rc ~= 0 then
+            return nil, "failed to pin the listener: "
+                        .. ffi.string(errmsg[0])
+        end
+        if matched[0] == 0 then
+            return nil, "failed to init: no `listen unix:" .. p
+                        .. ";` server for the bus"
+        end
+        if opts.broker >= self.worker_count then
+            return nil, "failed to init: opts.broker (" .. opts.broker
+                        .. ") >= worker_processes"
+        end
+    end
+
+    local ok, err = timer_at(0, client_loop, self)
+    if not ok then
+        return nil, "failed to start the client: " .. err
+    end
+    ok, err = timer_at(0, handler_loop, self)
+    if not ok then
+        return nil, "failed to start the handlers: " .. err
+    end
+    -- a timer far in the future fires early (premature) at worker exit
+    ok, err = timer_at(365 * 86400, exit_watch, self)
+    if not ok then
+        return nil, "failed to start the exit watch: " .. err
+    end
+    self.initialized = true
+    return true
+end
+
+
+-- Serves one worker connection: content_by_lua on the bus's unix server.
+function _M.serve(self)
+    return broker.serve(self)
+end
+
+
+local function make_room(self, bytes)
+    local opts = self.opts
+    local policy = opts.overflow
+    local function full()
+        return self.pending >= opts.max_queue
+               or self.pending_bytes + bytes > opts.max_queue_bytes
+    end
+    if not full() then
+        return true, false
+    end
+    local waited = false
+    if policy == "drop_oldest" then
+        local q = self.unsent_q
+        while full() do
+            local s, b = q:pop()
+            if not s then
+                break
+            end
+            self.unsent:skip(b)
+            self.pending = self.pending - 1
+            self.pending_bytes = self.pending_bytes - b
+            count(self.counters.dropped, "oldest")
+            warn_once(self, "drop", "queue full: dropped the oldest "
+                      .. "event(s); ", self.counters.dropped.oldest, " so far")
+        end
+    elseif policy == "wait" and WAIT_PHASES[get_phase()] then
+        local deadline = ngx_now() + opts.wait_timeout
+        while full() do
+            local left = deadline - ngx_now()
+            if left <= 0 then
+                break
+            end
+            self.waiters = self.waiters + 1
+            self.space:wait(left)
+            self.waiters = self.waiters - 1
+            waited = true
+        end
+    end
+    if full() then
+        count(self.counters.dropped, "queue full")
+        warn_once(self, "full", "queue full: publish refused; ",
+                  self.counters.dropped["queue full"], " so far")
+        return nil
+    end
+    return true, waited
+end
+
+
+local TARGET_KIND = {
+    all = ALL, others = OTHERS, current = LOCAL, agent = AGENT,
+}
+
+
+-- Publishes an event. Returns true, or nil and "payload too large",
+-- "queue full" or "not initialized".
+function _M.publish(self, target, source, event, data)
+    if type(source) ~= "string" or source == "" then
+        error("source must be a non-empty string", 2)
+    end
+    if type(event) ~= "string" or event == "" then
+        error("event must be a non-empty string", 2)
+    end
+
+    local kind, key
+    if type(target) == "number" then
+        if target % 1 ~= 0 or target < 0
+           or (self.worker_count > 0 and target >= self.worker_count) then
+            error("target must be a worker id between 0 and "
+                  .. (self.worker_count - 1), 2)
+        end
+        kind = target
+    elseif type(target) == "string" then
+        kind = TARGET_KIND[target]
+        if not kind then
+            if str_sub(target, 1, 7) == "unique:" and #target > 7 then
+                key = str_sub(target, 8)
+                if #key > UNIQUE_KEY_MAX then
+                    error("unique key longer than " .. UNIQUE_KEY_MAX
+                          .. " bytes", 2)
+                end
+                kind = UNIQUE
+            else
+                error('target must be "all", "others", "current", "agent", '
+                      .. '"unique:<key>" or a worker id', 2)
+            end
+        elseif kind == AGENT and not self.opts.privileged_agent then
+            error('target "agent" needs opts.privileged_agent', 2)
+        end
+    else
+        error("target must be a string or a worker id", 2)
+    end
+
+    if not self.initialized then
+        return nil, "not initialized"
+    end
+
+    local stats = self.counters.published
+    if kind == LOCAL then
+        -- asynchronous, in this worker only; data is not copied
+        inbox_push(self, source, event, data, self.worker, nil)
+        count(stats, "current")
+        return true
+    end
+
+    local ok, size = pcall(frame.encode_body, source, event, data)
+    if not ok then
+        return nil, "failed to serialise data: " .. tostring(size)
+    end
+    if size > self.opts.max_payload then
+        count(self.counters.dropped, "payload too large")
+        return nil, "payload too large"
+    end
+    local room, waited = make_room(self, size + EVENT_SIZE + 64)
+    if not room then
+        return nil, "queue full"
+    end
+    if waited then
+        -- another publish may have used the scratch buffer meanwhile
+        frame.encode_body(source, event, data)
+    end
+
+    local seq = self.seq + 1
+    self.seq = seq
+    local stream = 0
+    if kind == ALL then
+        stream = self.all_seq + 1
+        self.all_seq = stream
+    elseif kind == OTHERS then
+        stream = self.others_seq + 1
+        self.others_seq = stream
+    elseif kind >= 0 or kind == AGENT then
+        stream = (self.direct_seq[kind] or 0) + 1
+        self.direct_seq[kind] = stream
+    end
+
+    local bytes = frame.put_event(self.unsent, seq, kind, self.worker,
+                                  self.pid, stream, mono(), key)
+    self.unsent_q:push(seq, bytes)
+    self.pending = self.pending + 1
+    self.pending_bytes = self.pending_bytes + bytes
+    self.wsema:post(1)
+
+    count(stats, kind == ALL and "all" or kind == OTHERS and "others"
+                 or kind == UNIQUE and "unique" or kind == AGENT and "agent"
+                 or "worker")
+    return true
+end
+
+
+-- Subscribes handler(data, event, source, publisher_worker_id) to events
+-- of source and event ("*" matches any). Returns the subscription id.
+function _M.subscribe(self, source, event, handler)
+    if type(source) ~= "string" or source == "" then
+        error("source must be a non-empty string", 2)
+    end
+    if type(event) ~= "string" or event == "" then
+        error("event must be a non-empty string", 2)
+    end
+    if type(handler) ~= "function" then
+        error("handler must be a function", 2)
+    end
+    local info = getinfo(2, "Sl")
+    local id = self.next_sub + 1
+    self.next_sub = id
+    self.subs[id] = {
+        source = source,
+        event = event,
+        fn = handler,
+        site = info and (info.short_src .. ":" .. info.currentline) or "?",
+    }
+    return id
+end
+
+
+function _M.unsubscribe(self, id)
+    if self.subs[id] then
+        self.subs[id] = nil
+        return true
+    end
+    return false
+end
+
+
+-- Registers fn(publisher_worker_id, missing_count), called when events
+-- from a publisher went missing, so the application can resynchronise.
+function _M.on_gap(self, fn)
+    if type(fn) ~= "function" then
+        error("fn must be a function", 2)
+    end
+    self.gap_hooks[#self.gap_hooks + 1] = fn
+end
+
+
+function _M.is_ready(self)
+    return self.ready
+end
+
+
+function _M.stats(self)
+    local s = self.counters
+    return {
+        worker = self.worker,
+        pid = self.pid,
+        connected = self.connected,
+        published = s.published,
+        delivered = s.delivered,
+        handler_calls = s.handler_calls,
+        handler_errors = s.handler_errors,
+        dropped = s.dropped,
+        gaps = s.gaps,
+        duplicates = s.duplicates,
+        reconnects = s.reconnects,
+        rejected = s.rejected,
+        queue = {
+            unsent = self.unsent_q:len(),
+            unacked = self.unacked_q:len(),
+            pending_bytes = self.pending_bytes,
+            inbox = inbox_len(self),
+        },
+        latency = self.latency:summary(),
+        broker = broker.stats(self),
+    }
+end
+
+
+-- Cross-worker collection (stats endpoints). fn() returns a serialisable
+-- value for this worker.
+function _M.register_collector(name, fn)
+    if type(name) ~= "string" then
+        error("name must be a string", 2)
+    end
+    if type(fn) ~= "function" then
+        error("fn must be a function", 2)
+    end
+    collectors[name] = fn
+end
+
+
+-- Asks every worker for the collector's value: { [worker id] = value }.
+-- Workers that do not answer in time are missing from the result.
+function _M.collect(self, name, timeout)
+    timeout = timeout or 1
+    local id = (self.collect_id or 0) + 1
+    self.collect_id = id
+    self.collecting = self.collecting or {}
+    local pend = { results = {}, n = 0, sema = semaphore.new() }
+    self.collecting[id] = pend
+    local ok, err = self:publish("all", INTERNAL, "collect",
+                                 { name = name, id = id })
+    if not ok then
+        self.collecting[id] = nil
+        return nil, "failed to collect: " .. err
+    end
+    local want = self.worker_count + (self.opts.privileged_agent and 1 or 0)
+    local deadline = ngx_now() + timeout
+    while pend.n < want do
+        local left = deadline - ngx_now()
+        if left <= 0 then
+            break
+        end
+        pend.sema:wait(left)
+        ngx.update_time()
+    end
+    self.collecting[id] = nil
+    return pend.results
+end
+
+
+_M.register_collector("loom.events", function()
+    return default_bus and default_bus:stats()
+end)
+
+
+return _M

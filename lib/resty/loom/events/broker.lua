@@ -1,0 +1,598 @@
+-- The broker side of the bus: runs in one worker, serves each worker's
+-- connection (one request on the `listen unix:` server each), and
+-- forwards events to per-worker queues. A publisher's events are
+-- acknowledged once they have been written to every connected target's
+-- socket, so the publisher can re-send what was not acknowledged after a
+-- broker crash. Queues are keyed by worker id and outlive connections, so
+-- a restarting worker gets what was published while it was down.
+
+
+local ffi = require "ffi"
+local buffer = require "string.buffer"
+local frame = require "resty.loom.events.frame"
+local fifo = require "resty.loom.events.fifo"
+local semaphore = require "ngx.semaphore"
+
+local C = ffi.C
+local ngx = ngx
+local ngx_log = ngx.log
+local ngx_var = ngx.var
+local ngx_now = ngx.now
+local ngx_exit = ngx.exit
+local spawn = ngx.thread.spawn
+local wait = ngx.thread.wait
+local kill = ngx.thread.kill
+local buf_new = buffer.new
+local pcall = pcall
+local tostring = tostring
+local crc32 = ngx.crc32_short
+
+local ERR = ngx.ERR
+local WARN = ngx.WARN
+local INFO = ngx.INFO
+
+local T_HELLO = frame.HELLO
+local T_WELCOME = frame.WELCOME
+local T_EVENT = frame.EVENT
+local T_ACK = frame.ACK
+local T_PING = frame.PING
+local T_PONG = frame.PONG
+local T_REJECT = frame.REJECT
+local FLAG_MORE = frame.FLAG_MORE
+local FRAME_SIZE = frame.FRAME_SIZE
+local EVENT_SIZE = frame.EVENT_SIZE
+local ALL = frame.ALL
+local OTHERS = frame.OTHERS
+local UNIQUE = frame.UNIQUE
+local AGENT = frame.AGENT
+
+local READ_SIZE = 65536
+local HELLO_TIMEOUT = 2            -- seconds to send a valid hello
+local LOG_INTERVAL = 10            -- seconds between repeated warnings
+
+
+ffi.cdef [[
+int ngx_loom_ffi_is_sibling(int pid);
+unsigned int geteuid(void);
+]]
+
+
+local _M = { _VERSION = "0.1.0" }
+
+
+local function log(level, ...)
+    ngx_log(level, "[loom.events] ", ...)
+end
+
+
+-- Broker state lives in the broker worker only, created on first use.
+local function state(bus)
+    local b = bus.broker_state
+    if b then
+        return b
+    end
+    b = {
+        queues = {},         -- worker id -> queue
+        conns = 0,
+        next_bidx = 1,       -- broker-wide index of forwarded events
+        unique = {},         -- key -> expiry
+        unique_count = 0,
+        stats = {
+            connections = 0,
+            accepted = 0,
+            rejected = {},   -- reason -> count
+            forwarded = 0,
+            unique_suppressed = 0,
+            dropped = {},    -- reason -> count
+            slow_waits = 0,
+        },
+        last_warn = 0,
+    }
+    bus.broker_state = b
+    return b
+end
+
+
+local function queue(b, wid)
+    local q = b.queues[wid]
+    if not q then
+        q = {
+            wid = wid,
+            buf = buf_new(65536),
+            n = 0,              -- events queued
+            first_bidx = nil,   -- oldest event not yet taken by the writer
+            inflight_bidx = nil,-- oldest event in the send under way
+            conn = nil,         -- the connection currently attached
+            data_sema = semaphore.new(),
+            space_sema = semaphore.new(),
+        }
+        b.queues[wid] = q
+    end
+    return q
+end
+
+
+local function count(t, key)
+    t[key] = (t[key] or 0) + 1
+end
+
+
+local function reject(b, sock, reason, detail)
+    count(b.stats.rejected, reason)
+    log(WARN, "rejected a connection: ", reason, detail and (": " .. detail)
+        or "")
+    if sock then
+        local out = buf_new()
+        frame.put_control(out, T_REJECT, 0, reason)
+        sock:send(out:get())
+    end
+end
+
+
+-- Events older than the returned index have been written to every live
+-- target's socket.
+local function watermark(b)
+    local low = b.next_bidx
+    for _, q in pairs(b.queues) do
+        if q.conn then
+            local i = q.inflight_bidx or q.first_bidx
+            if i and i < low then
+                low = i
+            end
+        end
+    end
+    return low
+end
+
+
+local function send_acks(b)
+    local low = watermark(b)
+    for _, q in pairs(b.queues) do
+        local c = q.conn
+        if c and c.ackq:len() > 0 then
+            local last
+            while true do
+                local bidx, seq = c.ackq:peek()
+                if not bidx or bidx >= low then
+                    break
+                end
+                c.ackq:pop()
+                last = seq
+            end
+            if last then
+                frame.put_header(q.buf, T_ACK, 0, 0, last)
+                q.data_sema:post(1)
+            end
+        end
+    end
+end
+
+
+local function writer(b, q, c)
+    local sock = c.sock
+    local sema = q.data_sema
+    while not c.closed do
+        if #q.buf == 0 then
+            sema:wait(1)
+        end
+        if c.closed then
+            break
+        end
+        if #q.buf > 0 then
+            q.inflight_bidx = q.first_bidx
+            q.first_bidx = nil
+            local sent_events = q.n
+            q.n = 0
+            local data = q.buf:get()
+            local ok, err = sock:send(data)
+            q.inflight_bidx = nil
+            if not ok then
+                c.closed = true
+                return nil, "failed to send: " .. err
+            end
+            if sent_events > 0 then
+                local waiting = -q.space_sema:count()
+                if waiting > 0 then
+                    q.space_sema:post(waiting)
+                end
+                send_acks(b)
+            end
+        end
+    end
+    return true
+end
+
+
+-- picks one live normal worker for a unique key, the same one for the same
+-- key and set of workers, so a re-sent event lands where it went before
+local function unique_target(b, key, nworkers)
+    local live = 0
+    local ids = b.unique_ids or {}
+    b.unique_ids = ids
+    for wid = 0, nworkers - 1 do
+        local q = b.queues[wid]
+        if q and q.conn then
+            live = live + 1
+            ids[live] = wid
+        end
+    end
+    if live == 0 then
+        return crc32(key) % nworkers
+    end
+    return ids[crc32(key) % live + 1]
+end
+
+
+local function seen_unique(b, key, window)
+    local now = ngx_now()
+    local exp = b.unique[key]
+    if exp and exp > now then
+        return true
+    end
+    if not exp then
+        b.unique_count = b.unique_count + 1
+    end
+    b.unique[key] = now + window
+    if b.unique_count > 10000 then
+        -- sweep expired keys now and then so the table stays bounded
+        local n = 0
+        for k, e in pairs(b.unique) do
+            if e <= now then
+                b.unique[k] = nil
+            else
+                n = n + 1
+            end
+        end
+        b.unique_count = n
+    end
+    return false
+end
+
+
+-- Appends one event (payload p, len) to q, waiting for room when q is full
+-- and its worker is connected. Returns false when it had to drop it.
+local function enqueue(bus, b, q, seq, bidx, p, len)
+    local opts = bus.opts
+    if q.n >= opts.max_queue or #q.buf + len > opts.max_queue_bytes then
+        if q.conn then
+            b.stats.slow_waits = b.stats.slow_waits + 1
+            local deadline = ngx_now() + opts.slow_timeout
+            while q.conn and (q.n >= opts.max_queue
+                  or #q.buf + len > opts.max_queue_bytes)
+                  and ngx_now() < deadline do
+                q.space_sema:wait(0.1)
+            end
+        end
+        if q.n >= opts.max_queue or #q.buf + len > opts.max_queue_bytes then
+            local reason = q.conn and "subscriber too slow"
+                           or "worker down, queue full"
+            count(b.stats.dropped, reason)
+            local now = ngx_now()
+            if now - b.last_warn >= LOG_INTERVAL then
+                b.last_warn = now
+                log(WARN, "dropping events for worker ", q.wid, ": ", reason,
+                    " (", b.stats.dropped[reason], " so far)")
+            end
+            return false
+        end
+    end
+    frame.put_chunked(q.buf, T_EVENT, seq, p, len)
+    q.n = q.n + 1
+    if not q.first_bidx then
+        q.first_bidx = bidx
+    end
+    q.data_sema:post(1)
+    return true
+end
+
+
+local function forward(bus, b, c, seq, p, len)
+    local e = frame.event_header(p)
+    local target = e.target
+    local nworkers = bus.worker_count
+    local bidx = b.next_bidx
+    b.next_bidx = bidx + 1
+    b.stats.forwarded = b.stats.forwarded + 1
+
+    -- the ack waits for the writes that happen below
+    c.ackq:push(bidx, seq)
+
+    if target == ALL or target == OTHERS then
+        local skip = target == OTHERS and c.wid or nil
+        for wid = bus.opts.privileged_agent and AGENT or 0, nworkers - 1 do
+            if wid ~= skip then
+                enqueue(bus, b, queue(b, wid), seq, bidx, p, len)
+            end
+        end
+
+    elseif target == UNIQUE then
+        local key = ffi.string(p + EVENT_SIZE, e.key_len)
+        if seen_unique(b, key, bus.opts.unique_window) then
+            b.stats.unique_suppressed = b.stats.unique_suppressed + 1
+        else
+            local wid = unique_target(b, key, nworkers)
+            enqueue(bus, b, queue(b, wid), seq, bidx, p, len)
+        end
+
+    elseif (target >= 0 and target < nworkers)
+           or (target == AGENT and bus.opts.privileged_agent) then
+        enqueue(bus, b, queue(b, target), seq, bidx, p, len)
+
+    else
+        count(b.stats.dropped, "bad target")
+    end
+
+    send_acks(b)
+end
+
+
+-- Reads frames from one worker until it goes away or misbehaves.
+local function reader(bus, b, c)
+    local sock = c.sock
+    local rbuf = c.rbuf
+    local opts = bus.opts
+    local max_frame = frame.CHUNK
+    local partial = nil
+    local partial_seq
+    local idle = 0
+
+    sock:settimeout(opts.heartbeat * 1000)
+
+    while true do
+        local data, err = sock:receiveany(READ_SIZE)
+        if not data then
+            if err ~= "timeout" then
+                return nil, err
+            end
+            idle = idle + 1
+            if idle >= 3 then
+                return nil, "heartbeat timeout"
+            end
+            if ngx.worker.exiting() and c.closed then
+                return true
+            end
+
+        else
+            idle = 0
+            rbuf:put(data)
+            while true do
+                local h, pp, size = frame.peek(rbuf, max_frame)
+                if h == nil then
+                    break
+                end
+                if h == false then
+                    return nil, pp
+                end
+                local typ = h.type
+                if typ == T_EVENT then
+                    local seq = h.seq
+                    local flags = h.flags
+                    local plen = size - FRAME_SIZE
+                    if partial then
+                        if seq ~= partial_seq then
+                            return nil, "interleaved chunks"
+                        end
+                        partial:putcdata(pp, plen)
+                        if #partial > opts.max_payload + EVENT_SIZE + 1024
+                        then
+                            return nil, "payload too large"
+                        end
+                        if flags == 0 then
+                            local fp, flen = partial:ref()
+                            forward(bus, b, c, seq, fp, flen)
+                            partial = nil
+                        end
+                    elseif flags == FLAG_MORE then
+                        partial = buf_new(2 * max_frame)
+                        partial_seq = seq
+                        partial:putcdata(pp, plen)
+                    else
+                        if plen < EVENT_SIZE then
+                            return nil, "short event"
+                        end
+                        forward(bus, b, c, seq, pp, plen)
+                    end
+
+                elseif typ == T_PING then
+                    frame.put_header(c.q.buf, T_PONG, 0, 0, h.seq)
+                    c.q.data_sema:post(1)
+
+                elseif typ ~= T_ACK and typ ~= T_PONG then
+                    -- (the client never acks the broker; a stray ack or
+                    -- pong is harmless)
+                    return nil, "unexpected frame type " .. tostring(typ)
+                end
+                rbuf:skip(size)
+            end
+        end
+    end
+end
+
+
+local function read_hello(sock)
+    sock:settimeout(HELLO_TIMEOUT * 1000)
+    local hdr, err = sock:receive(FRAME_SIZE)
+    if not hdr then
+        return nil, "no hello: " .. err
+    end
+    local rbuf = buf_new()
+    rbuf:put(hdr)
+    local h = ffi.cast("loom_ev_frame_t *", (rbuf:ref()))
+    if h.version ~= frame.VERSION then
+        return nil, "wrong version"
+    end
+    if h.type ~= T_HELLO then
+        return nil, "first frame is not a hello"
+    end
+    if h.len > 4096 then
+        return nil, "hello too large"
+    end
+    local len = h.len
+    local body
+    body, err = sock:receive(len)
+    if not body then
+        return nil, "no hello: " .. err
+    end
+    rbuf:put(body)
+    local p = rbuf:ref()
+    local ok, hello = pcall(frame.decode_control, p + FRAME_SIZE, len)
+    if not ok or type(hello) ~= "table" then
+        return nil, "bad hello"
+    end
+    return hello
+end
+
+
+-- Serves one worker's connection; called from content_by_lua on the bus's
+-- `listen unix:` server. Returns when the connection ends.
+function _M.serve(bus)
+    local b = state(bus)
+    local opts = bus.opts
+
+    if ngx.worker.id() ~= opts.broker then
+        count(b.stats.rejected, "not the broker")
+        log(ERR, "connection on worker ", ngx.worker.id(),
+            " which is not the broker (", opts.broker, ")")
+        return ngx_exit(444)
+    end
+
+    -- who is at the other end: same user, a worker of this master
+    local uid = tonumber(ngx_var.loom_peer_uid)
+    local pid = tonumber(ngx_var.loom_peer_pid)
+    if not uid or uid ~= C.geteuid() then
+        reject(b, nil, "peer uid", tostring(uid))
+        return ngx_exit(444)
+    end
+    if not pid or C.ngx_loom_ffi_is_sibling(pid) ~= 1 then
+        reject(b, nil, "peer not a worker", tostring(pid))
+        return ngx_exit(444)
+    end
+
+    if ngx.req.get_headers()["upgrade"] ~= "loom-events/1" then
+        reject(b, nil, "bad upgrade")
+        return ngx_exit(400)
+    end
+
+    ngx.status = 101
+    ngx.header["Upgrade"] = "loom-events/1"
+    ngx.header["Content-Type"] = nil
+    ngx.send_headers()
+    ngx.flush(true)
+
+    local sock, err = ngx.req.socket(true)
+    if not sock then
+        log(ERR, "failed to take the raw socket: ", err)
+        return ngx_exit(444)
+    end
+
+    local hello
+    hello, err = read_hello(sock)
+    if not hello then
+        reject(b, nil, err == "wrong version" and err or "bad hello", err)
+        return ngx_exit(444)
+    end
+
+    local wid = hello.worker
+    if hello.version ~= frame.VERSION then
+        reject(b, sock, "wrong version", tostring(hello.version))
+        return ngx_exit(444)
+    end
+    if hello.generation ~= bus.generation then
+        reject(b, sock, "other generation")
+        return ngx_exit(444)
+    end
+    if hello.pid ~= pid then
+        reject(b, sock, "hello pid differs from peer", tostring(hello.pid))
+        return ngx_exit(444)
+    end
+    if type(wid) ~= "number"
+       or not ((wid >= 0 and wid < bus.worker_count)
+               or (wid == AGENT and opts.privileged_agent)) then
+        reject(b, sock, "bad worker id", tostring(wid))
+        return ngx_exit(444)
+    end
+
+    local q = queue(b, wid)
+    if q.conn then
+        -- the process with this id is gone (or lost its connection): the
+        -- new connection takes over the queue
+        q.conn.closed = true
+        q.data_sema:post(1)
+    end
+
+    local c = {
+        sock = sock,
+        wid = wid,
+        pid = pid,
+        q = q,
+        rbuf = buf_new(READ_SIZE),
+        ackq = fifo.new(),
+        closed = false,
+    }
+    q.conn = c
+    b.stats.accepted = b.stats.accepted + 1
+    b.stats.connections = b.stats.connections + 1
+
+    -- the welcome goes first, before anything queued for this worker
+    local out = buf_new()
+    frame.put_control(out, T_WELCOME, 0, { broker_pid = ngx.worker.pid() })
+    local ok
+    ok, err = sock:send(out:get())
+    if not ok then
+        log(INFO, "worker ", wid, " went away during the handshake: ", err)
+    else
+        log(INFO, "worker ", wid, " (pid ", pid, ") connected")
+        local wt = spawn(writer, b, q, c)
+        local rok, rerr = reader(bus, b, c)
+        c.closed = true
+        q.data_sema:post(1)
+        wait(wt)
+        if not rok and not ngx.worker.exiting() then
+            if rerr == "closed" then
+                log(INFO, "worker ", wid, " disconnected")
+            else
+                count(b.stats.rejected, "protocol error")
+                log(WARN, "closed worker ", wid, "'s connection: ", rerr)
+            end
+        end
+        kill(wt)
+    end
+
+    if q.conn == c then
+        q.conn = nil
+        q.inflight_bidx = nil
+    end
+    b.stats.connections = b.stats.connections - 1
+    send_acks(b)
+    return ngx_exit(444)
+end
+
+
+function _M.stats(bus)
+    local b = bus.broker_state
+    if not b then
+        return nil
+    end
+    local queues = {}
+    for wid, q in pairs(b.queues) do
+        queues[tostring(wid)] = {
+            events = q.n,
+            bytes = #q.buf,
+            connected = q.conn ~= nil,
+        }
+    end
+    local s = b.stats
+    return {
+        connections = s.connections,
+        accepted = s.accepted,
+        rejected = s.rejected,
+        forwarded = s.forwarded,
+        unique_suppressed = s.unique_suppressed,
+        dropped = s.dropped,
+        slow_waits = s.slow_waits,
+        queues = queues,
+    }
+end
+
+
+return _M

@@ -1,0 +1,232 @@
+-- The bus's wire format. Every frame has a 16-byte header: version, type,
+-- flags, payload length and a sequence number. Events carry a 32-byte event
+-- header (target, publisher, pid, stream sequence, publish time, lengths)
+-- followed by the unique key and the string.buffer-encoded body. Payloads
+-- larger than one chunk travel as several EVENT frames with the MORE flag.
+-- Frames are built in and parsed from string.buffer memory through FFI so
+-- that payload bytes never become Lua strings on the way.
+
+
+local ffi = require "ffi"
+local buffer = require "string.buffer"
+
+local ffi_cast = ffi.cast
+local ffi_sizeof = ffi.sizeof
+local buf_new = buffer.new
+
+
+ffi.cdef [[
+typedef struct {
+    uint8_t   version;
+    uint8_t   type;
+    uint16_t  flags;
+    uint32_t  len;
+    double    seq;
+} loom_ev_frame_t;
+
+typedef struct {
+    int16_t   target;
+    int16_t   publisher;
+    uint32_t  pid;
+    double    stream_seq;
+    double    published_at;
+    uint32_t  key_len;
+    uint32_t  body_len;
+} loom_ev_event_t;
+]]
+
+
+local FRAME_PTR = ffi.typeof("loom_ev_frame_t *")
+local EVENT_PTR = ffi.typeof("loom_ev_event_t *")
+local FRAME_SIZE = ffi_sizeof("loom_ev_frame_t")
+local EVENT_SIZE = ffi_sizeof("loom_ev_event_t")
+
+local VERSION = 1
+local CHUNK = 256 * 1024
+local FLAG_MORE = 1
+
+local T_HELLO = 1
+local T_WELCOME = 2
+local T_EVENT = 3
+local T_ACK = 4
+local T_PING = 5
+local T_PONG = 6
+local T_REJECT = 7
+local T_MAX = 7
+
+-- reused scratch buffer for event bodies (the worker is single-threaded)
+local body = buf_new(4096)
+
+
+local _M = {
+    _VERSION = "0.1.0",
+    VERSION = VERSION,
+    FRAME_SIZE = FRAME_SIZE,
+    EVENT_SIZE = EVENT_SIZE,
+    CHUNK = CHUNK,
+    FLAG_MORE = FLAG_MORE,
+    HELLO = T_HELLO,
+    WELCOME = T_WELCOME,
+    EVENT = T_EVENT,
+    ACK = T_ACK,
+    PING = T_PING,
+    PONG = T_PONG,
+    REJECT = T_REJECT,
+    -- targets other than a worker id (>= 0); -1 is the privileged agent
+    AGENT = -1,
+    ALL = -2,
+    OTHERS = -3,
+    UNIQUE = -4,
+}
+
+
+local function put_header(buf, typ, flags, len, seq)
+    local h = ffi_cast(FRAME_PTR, buf:reserve(FRAME_SIZE))
+    h.version = VERSION
+    h.type = typ
+    h.flags = flags
+    h.len = len
+    h.seq = seq
+    buf:commit(FRAME_SIZE)
+end
+_M.put_header = put_header
+
+
+-- a control frame whose payload is a string.buffer-encoded Lua value
+function _M.put_control(buf, typ, seq, value)
+    body:reset()
+    if value ~= nil then
+        body:encode(value)
+    end
+    local p, len = body:ref()
+    put_header(buf, typ, 0, len, seq)
+    buf:putcdata(p, len)
+end
+
+
+-- Encodes the event body into the scratch buffer and returns its length;
+-- put_event() then writes it. Split so that callers can check the size
+-- (and their queue bounds) before anything is queued.
+function _M.encode_body(source, event, data)
+    body:reset()
+    body:encode(source)
+    body:encode(event)
+    body:encode(data)
+    return #body
+end
+
+
+-- Appends frames carrying one payload to buf: a single frame, or CHUNK-
+-- sized frames with the MORE flag on all but the last.
+local function put_chunked(buf, typ, seq, p, len)
+    if len <= CHUNK then
+        put_header(buf, typ, 0, len, seq)
+        buf:putcdata(p, len)
+        return
+    end
+    local off = 0
+    while off < len do
+        local n = len - off
+        local fl = 0
+        if n > CHUNK then
+            n = CHUNK
+            fl = FLAG_MORE
+        end
+        put_header(buf, typ, fl, n, seq)
+        buf:putcdata(p + off, n)
+        off = off + n
+    end
+end
+_M.put_chunked = put_chunked
+
+
+-- Appends an event (whose body encode_body() just produced) to buf;
+-- returns the number of bytes appended.
+local payload = buf_new(4096)
+function _M.put_event(buf, seq, target, publisher, pid, stream_seq, now, key)
+    local key_len = key and #key or 0
+    local bp, body_len = body:ref()
+
+    payload:reset()
+    local e = ffi_cast(EVENT_PTR, payload:reserve(EVENT_SIZE))
+    e.target = target
+    e.publisher = publisher
+    e.pid = pid
+    e.stream_seq = stream_seq
+    e.published_at = now
+    e.key_len = key_len
+    e.body_len = body_len
+    payload:commit(EVENT_SIZE)
+    if key_len > 0 then
+        payload:put(key)
+    end
+    payload:putcdata(bp, body_len)
+
+    local before = #buf
+    local p, len = payload:ref()
+    put_chunked(buf, T_EVENT, seq, p, len)
+    return #buf - before
+end
+
+
+-- Looks at the frame at the front of buf. Returns nil when it is not
+-- complete yet; false, reason when the bytes are not a valid frame;
+-- otherwise the header pointer, the payload pointer and the frame's size.
+function _M.peek(buf, max_len)
+    local p, n = buf:ref()
+    if n < FRAME_SIZE then
+        return nil
+    end
+    local h = ffi_cast(FRAME_PTR, p)
+    if h.version ~= VERSION then
+        return false, "bad version"
+    end
+    if h.type == 0 or h.type > T_MAX then
+        return false, "bad type"
+    end
+    local len = h.len
+    if len > max_len then
+        return false, "frame too large"
+    end
+    if n < FRAME_SIZE + len then
+        return nil
+    end
+    return h, p + FRAME_SIZE, FRAME_SIZE + len
+end
+
+
+function _M.event_header(p)
+    return ffi_cast(EVENT_PTR, p)
+end
+
+
+-- Decodes a control payload (or nil for an empty one). Errors on garbage;
+-- callers use pcall.
+local dec = buf_new()
+function _M.decode_control(p, len)
+    if len == 0 then
+        return nil
+    end
+    dec:set(p, len)
+    local v = dec:decode()
+    if #dec ~= 0 then
+        error("trailing bytes")
+    end
+    return v
+end
+
+
+-- Decodes an event body: source, event, data. Errors on garbage.
+function _M.decode_body(p, len)
+    dec:set(p, len)
+    local source = dec:decode()
+    local event = dec:decode()
+    local data = dec:decode()
+    if #dec ~= 0 or type(source) ~= "string" or type(event) ~= "string" then
+        error("malformed event body")
+    end
+    return source, event, data
+end
+
+
+return _M

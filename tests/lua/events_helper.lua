@@ -1,0 +1,107 @@
+-- Test helper for the events bus: records what each worker receives and
+-- exposes publish / inspect endpoints through one content handler.
+
+local cjson = require "cjson.safe"
+local events = require "resty.loom.events"
+
+local _M = {}
+
+local received = {}     -- "publisher:source:event" -> count
+local last_n = {}       -- publisher -> last n seen (ordering check)
+local order_errors = 0
+local total = 0
+local sizes = {}
+
+
+function _M.init(opts)
+    opts = opts or {}
+    opts.socket = opts.socket or (ngx.config.prefix() .. "sock/bus.sock")
+    return events.new(opts)
+end
+
+
+function _M.init_worker()
+    local bus = events.get()
+    local ok, err = bus:init_worker()
+    if not ok then
+        ngx.log(ngx.ERR, "events init_worker failed: ", err)
+        return
+    end
+    bus:subscribe("*", "*", function(data, event, source, wid)
+        total = total + 1
+        local k = tostring(wid) .. ":" .. source .. ":" .. event
+        received[k] = (received[k] or 0) + 1
+        if type(data) == "table" and data.n then
+            local key = tostring(wid) .. ":" .. source
+            local prev = last_n[key]
+            if prev and data.n ~= prev + 1 then
+                order_errors = order_errors + 1
+            end
+            last_n[key] = data.n
+        end
+        if type(data) == "table" and data.blob then
+            sizes[#sizes + 1] = #data.blob
+        end
+    end)
+end
+
+
+local function args()
+    return ngx.req.get_uri_args()
+end
+
+
+function _M.handle()
+    local bus = events.get()
+    local a = args()
+    local what = ngx.var.uri:match("/ev/(%w+)")
+    if what == "pub" then
+        local n = tonumber(a.n or 1)
+        local target = a.target or "all"
+        if tonumber(target) then
+            target = tonumber(target)
+        end
+        local source = a.source or "test"
+        local pad = a.size and string.rep("x", tonumber(a.size)) or nil
+        local start = tonumber(a.start or 1)
+        local okc, errs = 0, {}
+        for i = start, start + n - 1 do
+            local data = { n = i, blob = pad }
+            local ok, err = bus:publish(target, source, a.event or "e", data)
+            if ok then
+                okc = okc + 1
+            else
+                errs[err] = (errs[err] or 0) + 1
+            end
+        end
+        ngx.say(cjson.encode({ ok = okc, errors = errs,
+                               worker = ngx.worker.id() }))
+    elseif what == "state" then
+        ngx.say(cjson.encode({
+            worker = ngx.worker.id(),
+            pid = ngx.worker.pid(),
+            received = received,
+            total = total,
+            order_errors = order_errors,
+            sizes = sizes,
+            ready = bus:is_ready(),
+            stats = bus:stats(),
+        }))
+    elseif what == "collect" then
+        local res, err = bus:collect("loom.events", 2)
+        if not res then
+            ngx.status = 500
+            ngx.say(err)
+            return
+        end
+        ngx.say(cjson.encode(res))
+    elseif what == "reset" then
+        received, last_n, order_errors, total, sizes = {}, {}, 0, 0, {}
+        ngx.say("ok")
+    else
+        ngx.status = 404
+    end
+end
+
+
+return _M
