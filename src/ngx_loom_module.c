@@ -291,7 +291,8 @@ ngx_loom_peer_variable(ngx_http_request_t *r, ngx_http_variable_value_t *v,
 
 /*
  * Stops every worker but "owner" from accepting on the UNIX listener at
- * "path". The listening connection is freed in those workers and
+ * "path", and lets "owner" accept on it even when another worker holds
+ * the accept mutex. The listening connection is freed in the others and
  * ls->connection set to NULL: nginx's accept mutex and its re-enabling of
  * listeners after EMFILE both skip listeners with no connection, the way
  * they skip reuseport sockets that belong to another worker. The socket
@@ -334,18 +335,34 @@ ngx_loom_ffi_pin_listener(const u_char *path, size_t len, int owner,
 
         (*matched)++;
 
-        if (ngx_process == NGX_PROCESS_SINGLE
-            || (ngx_int_t) ngx_worker == owner)
-        {
-            continue;
-        }
-
         c = ls[i].connection;
         if (c == NULL) {
             continue;
         }
 
         rev = c->read;
+
+        if (ngx_process == NGX_PROCESS_SINGLE
+            || (ngx_int_t) ngx_worker == owner)
+        {
+            /*
+             * The owner accepts on it whether or not it holds the accept
+             * mutex: nginx leaves a worker's reuseport sockets enabled when
+             * the mutex goes to another worker, so flag it as one, and add
+             * its event now if the accept mutex kept it off.
+             */
+#if (NGX_HAVE_REUSEPORT)
+            ls[i].reuseport = 1;
+#endif
+            if (!rev->active
+                && ngx_add_event(rev, NGX_READ_EVENT, 0) != NGX_OK)
+            {
+                *err = "failed to add the listener's event";
+                return LOOM_FFI_ERROR;
+            }
+
+            continue;
+        }
 
         if (rev->active) {
             if (ngx_del_event(rev, NGX_READ_EVENT, 0) != NGX_OK) {

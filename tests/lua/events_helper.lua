@@ -20,8 +20,24 @@ function _M.init(opts)
 end
 
 
+local function state()
+    local bus = events.get()
+    return {
+        worker = ngx.worker.id(),
+        pid = ngx.worker.pid(),
+        received = received,
+        total = total,
+        order_errors = order_errors,
+        sizes = sizes,
+        ready = bus:is_ready(),
+        stats = bus:stats(),
+    }
+end
+
+
 function _M.init_worker()
     local bus = events.get()
+    events.register_collector("events_helper", state)
     local ok, err = bus:init_worker()
     if not ok then
         ngx.log(ngx.ERR, "events init_worker failed: ", err)
@@ -32,7 +48,8 @@ function _M.init_worker()
         local k = tostring(wid) .. ":" .. source .. ":" .. event
         received[k] = (received[k] or 0) + 1
         if type(data) == "table" and data.n then
-            local key = tostring(wid) .. ":" .. source
+            -- a respawned worker is a new publisher: key by pid if known
+            local key = tostring(data.pid or wid) .. ":" .. source
             local prev = last_n[key]
             if prev and data.n ~= prev + 1 then
                 order_errors = order_errors + 1
@@ -65,6 +82,12 @@ function _M.handle()
         local pad = a.size and string.rep("x", tonumber(a.size)) or nil
         local start = tonumber(a.start or 1)
         local okc, errs = 0, {}
+        if a.warm then
+            -- one event first, delivered before the rest is published
+            assert(bus:publish(target, source, a.event or "e",
+                               { n = start - 1 }))
+            ngx.sleep(0.3)
+        end
         for i = start, start + n - 1 do
             local data = { n = i, blob = pad }
             local ok, err = bus:publish(target, source, a.event or "e", data)
@@ -77,18 +100,9 @@ function _M.handle()
         ngx.say(cjson.encode({ ok = okc, errors = errs,
                                worker = ngx.worker.id() }))
     elseif what == "state" then
-        ngx.say(cjson.encode({
-            worker = ngx.worker.id(),
-            pid = ngx.worker.pid(),
-            received = received,
-            total = total,
-            order_errors = order_errors,
-            sizes = sizes,
-            ready = bus:is_ready(),
-            stats = bus:stats(),
-        }))
+        ngx.say(cjson.encode(state()))
     elseif what == "collect" then
-        local res, err = bus:collect("loom.events", 2)
+        local res, err = bus:collect(a.name or "events_helper", 2)
         if not res then
             ngx.status = 500
             ngx.say(err)

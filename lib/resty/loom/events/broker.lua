@@ -119,7 +119,10 @@ end
 
 local function reject(b, sock, reason, detail)
     count(b.stats.rejected, reason)
-    log(WARN, "rejected a connection: ", reason, detail and (": " .. detail)
+    -- during a reload, the new generation knocks on the old broker's door
+    -- until it exits: expected, not worth a warning
+    log(reason == "other generation" and INFO or WARN,
+        "rejected a connection: ", reason, detail and (": " .. detail)
         or "")
     if sock then
         local out = buf_new()

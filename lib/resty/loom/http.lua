@@ -1,0 +1,433 @@
+-- A small HTTP/1.1 client over cosockets: keep-alive connection pool, TLS
+-- with certificate verification, connect/send/read timeouts, Content-Length
+-- and chunked bodies. One client object per origin (scheme, host, port).
+
+
+local buffer = require "string.buffer"
+
+local ngx_socket_tcp = ngx.socket.tcp
+local buf_new = buffer.new
+local concat = table.concat
+local type = type
+local tonumber = tonumber
+local tostring = tostring
+local pairs = pairs
+local lower = string.lower
+local find = string.find
+local sub = string.sub
+local match = string.match
+local error = error
+local setmetatable = setmetatable
+
+local DEFAULT_PORTS = { http = 80, https = 443 }
+local MAX_HEADER_LINES = 200
+local DEFAULT_MAX_BODY = 64 * 1024 * 1024
+
+
+local _M = { _VERSION = "0.1.0" }
+local mt = { __index = _M }
+
+
+-- "https://host:port/path?q" -> scheme, host, port, path
+function _M.parse_url(url)
+    if type(url) ~= "string" then
+        return nil, "url must be a string"
+    end
+    local scheme, rest = match(url, "^(%a[%w+.-]*)://(.*)$")
+    if not scheme then
+        return nil, "bad url: no scheme"
+    end
+    scheme = lower(scheme)
+    if not DEFAULT_PORTS[scheme] then
+        return nil, "bad url: unsupported scheme " .. scheme
+    end
+    local authority, path = match(rest, "^([^/?#]*)(.*)$")
+    if path == "" then
+        path = "/"
+    end
+    local host, port
+    if sub(authority, 1, 1) == "[" then
+        host, port = match(authority, "^%[([^%]]+)%]:?(%d*)$")
+    else
+        host, port = match(authority, "^([^:]+):?(%d*)$")
+    end
+    if not host or host == "" then
+        return nil, "bad url: no host"
+    end
+    port = tonumber(port) or DEFAULT_PORTS[scheme]
+    if port < 1 or port > 65535 then
+        return nil, "bad url: bad port"
+    end
+    return scheme, host, port, path
+end
+
+
+-- opts: url or scheme/host/port; ssl_verify (default true), server_name,
+-- connect_timeout, send_timeout, read_timeout (seconds, default 5),
+-- keepalive_timeout (seconds, default 60), pool_size (default 32),
+-- max_body (bytes, default 64 MiB)
+function _M.new(opts)
+    if type(opts) ~= "table" then
+        error("opts must be a table", 2)
+    end
+    local scheme, host, port = opts.scheme or "http", opts.host, opts.port
+    if opts.url ~= nil then
+        scheme, host, port = _M.parse_url(opts.url)
+        if not scheme then
+            error("opts.url: " .. host, 2)
+        end
+    end
+    if not DEFAULT_PORTS[scheme] then
+        error("opts.scheme must be \"http\" or \"https\"", 2)
+    end
+    if type(host) ~= "string" or host == "" then
+        error("opts.host must be a non-empty string", 2)
+    end
+    port = port or DEFAULT_PORTS[scheme]
+    if type(port) ~= "number" or port < 1 or port > 65535 then
+        error("opts.port must be a port number", 2)
+    end
+    local function secs(name, default)
+        local v = opts[name]
+        if v == nil then
+            return default
+        end
+        if type(v) ~= "number" or v <= 0 then
+            error("opts." .. name .. " must be a positive number", 3)
+        end
+        return v
+    end
+    local ssl_verify = opts.ssl_verify
+    if ssl_verify == nil then
+        ssl_verify = true
+    end
+    local server_name = opts.server_name
+    if server_name == nil and scheme == "https" then
+        server_name = host
+    end
+    local pool_size = opts.pool_size or 32
+    if type(pool_size) ~= "number" or pool_size < 1 then
+        error("opts.pool_size must be a positive number", 2)
+    end
+    local host_header = host
+    if port ~= DEFAULT_PORTS[scheme] then
+        host_header = host .. ":" .. port
+    end
+    if find(host, ":", 1, true) then
+        host_header = "[" .. host .. "]"
+        if port ~= DEFAULT_PORTS[scheme] then
+            host_header = host_header .. ":" .. port
+        end
+    end
+    local self = {
+        scheme = scheme,
+        host = host,
+        port = port,
+        ssl = scheme == "https",
+        ssl_verify = ssl_verify and true or false,
+        server_name = server_name,
+        host_header = host_header,
+        connect_timeout = secs("connect_timeout", 5) * 1000,
+        send_timeout = secs("send_timeout", 5) * 1000,
+        read_timeout = secs("read_timeout", 5) * 1000,
+        keepalive_timeout = secs("keepalive_timeout", 60) * 1000,
+        pool_size = pool_size,
+        max_body = opts.max_body or DEFAULT_MAX_BODY,
+        pool = concat({ scheme, host, tostring(port), server_name or "",
+                        ssl_verify and "v" or "n" }, ":"),
+        -- counters
+        connects = 0,
+        reuses = 0,
+        requests = 0,
+    }
+    return setmetatable(self, mt)
+end
+
+
+local function connect(self)
+    local sock = ngx_socket_tcp()
+    sock:settimeouts(self.connect_timeout, self.send_timeout,
+                     self.read_timeout)
+    local ok, err = sock:connect(self.host, self.port, { pool = self.pool })
+    if not ok then
+        return nil, "failed to connect: " .. err
+    end
+    local reused = sock:getreusedtimes()
+    if reused == 0 then
+        self.connects = self.connects + 1
+        if self.ssl then
+            local sess
+            sess, err = sock:sslhandshake(nil, self.server_name,
+                                          self.ssl_verify)
+            if not sess then
+                sock:close()
+                return nil, "failed to handshake: " .. err
+            end
+        end
+
+    else
+        self.reuses = self.reuses + 1
+    end
+    return sock, reused
+end
+
+
+local function read_chunked(sock, max_body)
+    local parts = {}
+    local n, total = 0, 0
+    while true do
+        local line, err = sock:receive("*l")
+        if not line then
+            return nil, err
+        end
+        local size = tonumber(match(line, "^%s*(%x+)"), 16)
+        if not size then
+            return nil, "bad chunk size"
+        end
+        if size == 0 then
+            -- trailers end with an empty line
+            repeat
+                line, err = sock:receive("*l")
+                if not line then
+                    return nil, err
+                end
+            until line == ""
+            break
+        end
+        total = total + size
+        if total > max_body then
+            return nil, "body too large"
+        end
+        local data
+        data, err = sock:receive(size)
+        if not data then
+            return nil, err
+        end
+        n = n + 1
+        parts[n] = data
+        line, err = sock:receive("*l")
+        if not line then
+            return nil, err
+        end
+    end
+    return concat(parts, "", 1, n)
+end
+
+
+-- Reads one response. Returns res, keepalive_ok or nil, err, got_any.
+local function read_response(sock, method, max_body)
+    local line, err = sock:receive("*l")
+    if not line then
+        return nil, err, false
+    end
+    local version, status = match(line, "^HTTP/(%d%.%d) (%d%d%d)")
+    if not status then
+        return nil, "bad status line", true
+    end
+    status = tonumber(status)
+    local headers = {}
+    local count = 0
+    while true do
+        line, err = sock:receive("*l")
+        if not line then
+            return nil, err, true
+        end
+        if line == "" then
+            break
+        end
+        count = count + 1
+        if count > MAX_HEADER_LINES then
+            return nil, "too many headers", true
+        end
+        local name, value = match(line, "^([^:]+):%s*(.-)%s*$")
+        if name then
+            name = lower(name)
+            local old = headers[name]
+            if old then
+                headers[name] = old .. ", " .. value
+            else
+                headers[name] = value
+            end
+        end
+    end
+
+    local conn = headers["connection"]
+    conn = conn and lower(conn) or ""
+    local keepalive
+    if version == "1.0" then
+        keepalive = find(conn, "keep-alive", 1, true) ~= nil
+    else
+        keepalive = not find(conn, "close", 1, true)
+    end
+
+    local body = ""
+    local bodyless = method == "HEAD" or status == 204 or status == 304
+                     or (status >= 100 and status < 200)
+    if bodyless then
+        body = ""
+
+    elseif headers["transfer-encoding"]
+           and find(lower(headers["transfer-encoding"]), "chunked", 1, true)
+    then
+        body, err = read_chunked(sock, max_body)
+        if not body then
+            return nil, err, true
+        end
+
+    elseif headers["content-length"] then
+        local len = tonumber(headers["content-length"])
+        if not len or len < 0 then
+            return nil, "bad content-length", true
+        end
+        if len > max_body then
+            return nil, "body too large", true
+        end
+        if len > 0 then
+            body, err = sock:receive(len)
+            if not body then
+                return nil, err, true
+            end
+        end
+
+    else
+        -- delimited by the end of the connection
+        keepalive = false
+        body, err = sock:receive("*a")
+        if not body then
+            return nil, err, true
+        end
+        if #body > max_body then
+            return nil, "body too large", true
+        end
+    end
+    return { status = status, headers = headers, body = body }, keepalive
+end
+
+
+local function build(self, method, path, headers, body)
+    local b = buf_new(256)
+    b:put(method, " ", path, " HTTP/1.1\r\nHost: ", self.host_header,
+          "\r\n")
+    local has_length, has_ua = false, false
+    if type(headers) == "string" then
+        b:put(headers)
+        local lh = lower(headers)
+        has_length = find(lh, "content-length:", 1, true) ~= nil
+        has_ua = find(lh, "user-agent:", 1, true) ~= nil
+
+    elseif headers then
+        for k, v in pairs(headers) do
+            local lk = lower(k)
+            if lk == "content-length" then
+                has_length = true
+            elseif lk == "user-agent" then
+                has_ua = true
+            end
+            if type(v) == "table" then
+                for i = 1, #v do
+                    b:put(k, ": ", v[i], "\r\n")
+                end
+            else
+                b:put(k, ": ", v, "\r\n")
+            end
+        end
+    end
+    if not has_ua then
+        b:put("User-Agent: resty-loom/", _M._VERSION, "\r\n")
+    end
+    local blen = 0
+    if type(body) == "table" then
+        for i = 1, #body do
+            blen = blen + #body[i]
+        end
+    elseif body then
+        blen = #body
+    end
+    if not has_length and (body or method == "POST" or method == "PUT"
+                           or method == "PATCH")
+    then
+        b:put("Content-Length: ", blen, "\r\n")
+    end
+    b:put("\r\n")
+    return b:tostring()
+end
+
+
+-- c:request(method, path, headers, body) -> res or nil, err
+--   headers: nil, a table (name -> value or list of values) or a string of
+--   ready "Name: value\r\n" lines; body: nil, a string or a list of strings.
+--   res = { status = 200, headers = { ["content-type"] = ... }, body = "",
+--           reused = <times the connection was reused before> }
+-- A request on a reused keep-alive connection that the server had already
+-- closed (nothing received back) is sent again once on a new connection.
+function _M.request(self, method, path, headers, body)
+    local head = build(self, method, path or "/", headers, body)
+    local data = head
+    if type(body) == "table" then
+        data = { head }
+        for i = 1, #body do
+            data[i + 1] = body[i]
+        end
+    elseif body then
+        data = { head, body }
+    end
+    self.requests = self.requests + 1
+
+    for attempt = 1, 2 do
+        local sock, reused = connect(self)
+        if not sock then
+            return nil, reused
+        end
+        local ok, err = sock:send(data)
+        local res, keep, got_any
+        if ok then
+            res, keep, got_any = read_response(sock, method, self.max_body)
+            if not res then
+                err = keep
+            end
+        end
+        if res then
+            if keep then
+                sock:setkeepalive(self.keepalive_timeout, self.pool_size)
+            else
+                sock:close()
+            end
+            res.reused = reused
+            return res
+        end
+        sock:close()
+        if reused == 0 or attempt == 2 or got_any
+           or (err ~= "closed" and not find(err, "reset", 1, true)
+               and not find(err, "broken pipe", 1, true))
+        then
+            if ok then
+                return nil, "failed to read response: " .. err
+            end
+            return nil, "failed to send request: " .. err
+        end
+        -- stale keep-alive connection: try once more on a fresh one
+    end
+end
+
+
+-- one-shot helper: http.request_uri("https://h/p", { method = "POST",
+-- headers = ..., body = ..., ssl_verify = ..., timeout = ... })
+function _M.request_uri(url, params)
+    params = params or {}
+    local scheme, host, port, path = _M.parse_url(url)
+    if not scheme then
+        return nil, host
+    end
+    local t = params.timeout
+    local c = _M.new({
+        scheme = scheme, host = host, port = port,
+        ssl_verify = params.ssl_verify,
+        server_name = params.server_name,
+        connect_timeout = t, send_timeout = t, read_timeout = t,
+    })
+    return c:request(params.method or "GET", path, params.headers,
+                     params.body)
+end
+
+
+return _M

@@ -1,0 +1,1149 @@
+-- Batched, non-blocking publishing to Google Cloud Pub/Sub.
+--
+-- send() validates a message against Pub/Sub's limits, encodes it straight
+-- into the current batch's string.buffer (base64 through resty.core's FFI
+-- encoder: no payload strings are created) and returns; it never yields.
+-- Per worker and topic, batches are cut by count, bytes or delay, one batch
+-- per ordering key at a time; a pool of light threads in one timer sends
+-- them over keep-alive connections, retrying transient failures with
+-- backoff and jitter until a deadline. On worker exit (QUIT, HUP reload) the
+-- buffer is flushed within a time budget and whatever is left is reported.
+
+
+local buffer = require "string.buffer"
+local ffi = require "ffi"
+local cjson = require "cjson.safe"
+local semaphore = require "ngx.semaphore"
+local http = require "resty.loom.http"
+local auth = require "resty.loom.publish.auth"
+local histogram = require "resty.loom.histogram"
+require "resty.core.base64"   -- declares ngx_http_lua_ffi_encode_base64
+
+local C = ffi.C
+local ngx_now = ngx.now
+local ngx_update_time = ngx.update_time
+local ngx_sleep = ngx.sleep
+local ngx_log = ngx.log
+local ngx_ERR = ngx.ERR
+local ngx_WARN = ngx.WARN
+local ngx_NOTICE = ngx.NOTICE
+local timer_at = ngx.timer.at
+local thread_spawn = ngx.thread.spawn
+local thread_wait = ngx.thread.wait
+local worker_exiting = ngx.worker.exiting
+local decode_base64 = ngx.decode_base64
+local json_decode = cjson.decode
+local json_encode = cjson.encode
+local buf_new = buffer.new
+local encode_b64 = C.ngx_http_lua_ffi_encode_base64
+local byte = string.byte
+local sub = string.sub
+local floor = math.floor
+local random = math.random
+local min = math.min
+local type = type
+local pairs = pairs
+local xpcall = xpcall
+local traceback = debug.traceback
+local error = error
+local setmetatable = setmetatable
+
+local LOG_TAG = "[loom.publish] "
+local MAX_MESSAGES = 1000             -- per publish request
+local MAX_REQUEST_BYTES = 10000000    -- JSON body, per request
+local MAX_ATTRIBUTES = 100
+local MAX_KEY_BYTES = 256
+local MAX_VALUE_BYTES = 1024
+local MAX_ORDERING_KEY_BYTES = 1024
+local ENVELOPE = #'{"messages":[]}'
+local IDLE_WAIT = 2
+local EXIT_WATCH = 3600
+
+-- canonical statuses worth retrying (the body's error.status)
+local RETRY_STATUS = {
+    UNAVAILABLE = true, DEADLINE_EXCEEDED = true, RESOURCE_EXHAUSTED = true,
+    INTERNAL = true, ABORTED = true, UNKNOWN = true, CANCELLED = true,
+}
+-- HTTP codes worth retrying when the body says nothing usable
+local RETRY_HTTP = {
+    [408] = true, [429] = true, [499] = true, [500] = true, [502] = true,
+    [503] = true, [504] = true,
+}
+
+-- every publisher of this worker, for the stats collector
+local publishers = {}
+local collector_registered = false
+
+
+local _M = { _VERSION = "0.1.0" }
+local mt = { __index = _M }
+
+
+-- 0: plain printable ASCII; 1: needs JSON escaping; nil: invalid UTF-8
+local function classify(s)
+    local flag = 0
+    local i, n = 1, #s
+    while i <= n do
+        local c = byte(s, i)
+        if c < 0x80 then
+            if c < 0x20 or c == 0x22 or c == 0x5c or c == 0x7f then
+                flag = 1
+            end
+            i = i + 1
+        else
+            flag = 1
+            local extra, lo
+            if c >= 0xc2 and c <= 0xdf then
+                extra, lo = 1, 0x80
+            elseif c >= 0xe0 and c <= 0xef then
+                extra, lo = 2, (c == 0xe0) and 0xa0 or 0x80
+            elseif c >= 0xf0 and c <= 0xf4 then
+                extra, lo = 3, (c == 0xf0) and 0x90 or 0x80
+            else
+                return nil
+            end
+            if i + extra > n then
+                return nil
+            end
+            local c2 = byte(s, i + 1)
+            local hi = 0xbf
+            if c == 0xed then
+                hi = 0x9f
+            elseif c == 0xf4 then
+                hi = 0x8f
+            end
+            if c2 < lo or c2 > hi then
+                return nil
+            end
+            for j = i + 2, i + extra do
+                local cj = byte(s, j)
+                if cj < 0x80 or cj > 0xbf then
+                    return nil
+                end
+            end
+            i = i + extra + 1
+        end
+    end
+    return flag
+end
+
+
+-- appends s as a JSON string; returns nil when s is not valid UTF-8
+local function put_string(buf, s)
+    local flag = classify(s)
+    if flag == 0 then
+        buf:put('"', s, '"')
+        return true
+    end
+    if flag == nil then
+        return nil
+    end
+    buf:put(json_encode(s))
+    return true
+end
+
+
+local function fifo_new()
+    return { first = 1, last = 0 }
+end
+
+
+local function fifo_push(f, v)
+    local last = f.last + 1
+    f.last = last
+    f[last] = v
+end
+
+
+local function fifo_pop(f)
+    local first = f.first
+    if first > f.last then
+        return nil
+    end
+    local v = f[first]
+    f[first] = nil
+    if first == f.last then
+        f.first, f.last = 1, 0
+    else
+        f.first = first + 1
+    end
+    return v
+end
+
+
+local function get_queue(self, key)
+    local q = self.queues[key]
+    if not q then
+        q = {
+            key = key,
+            batches = fifo_new(),   -- unsent, oldest first
+            open = nil,             -- the batch taking new messages
+            inflight = 0,
+            paused = nil,           -- ordered keys: reason after a failure
+        }
+        self.queues[key] = q
+    end
+    return q
+end
+
+
+local function seal(self, b)
+    if not b.sealed then
+        b.sealed = true
+        if b.q.open == b then
+            b.q.open = nil
+        end
+        fifo_push(self.sealed, b)
+        local sema = self.sema
+        if sema:count() < self.concurrency then
+            sema:post(1)
+        end
+    end
+end
+
+
+local function new_batch(self, q, now)
+    local b = {
+        q = q,
+        buf = buf_new(4096),
+        lens = {},
+        times = {},
+        head = 1,
+        total = 0,          -- messages ever added (index of the last)
+        n = 0,              -- live messages
+        bytes = 0,          -- live encoded bytes, commas included
+        t0 = now,
+        sealed = false,
+        dead = false,
+    }
+    fifo_push(q.batches, b)
+    q.open = b
+    fifo_push(self.opening, b)
+    local sema = self.sema
+    if sema:count() < self.concurrency then
+        sema:post(1)
+    end
+    return b
+end
+
+
+-- drops the oldest unsent message of queue q; false when there is none
+local function drop_one(self, q)
+    local b = q.batches[q.batches.first]
+    if not b or b.n == 0 then
+        return false
+    end
+    local h = b.head
+    local len = b.lens[h]
+    b.buf:skip(len)
+    b.lens[h] = nil
+    b.times[h] = nil
+    b.head = h + 1
+    b.n = b.n - 1
+    b.bytes = b.bytes - len
+    self.queued_messages = self.queued_messages - 1
+    self.queued_bytes = self.queued_bytes - len
+    self.dropped = self.dropped + 1
+    if b.n == 0 then
+        b.dead = true
+        fifo_pop(q.batches)
+        if q.open == b then
+            q.open = nil
+        end
+    end
+    return true
+end
+
+
+local function start(self)
+    if self.running then
+        return true
+    end
+    local ok, err = timer_at(0, self.run_fn, self)
+    if not ok then
+        return nil, err
+    end
+    ok, err = timer_at(EXIT_WATCH, self.exit_fn, self)
+    if not ok then
+        ngx_log(ngx_WARN, LOG_TAG, "failed to arm the exit watcher: ", err)
+    end
+    self.running = true
+    return true
+end
+
+
+-- ok, err = p:send(data, attributes?, ordering_key?)
+-- Never yields. err: a validation message, "buffer full",
+-- "ordering key paused" or "closed".
+function _M.send(self, data, attributes, ordering_key)
+    if type(data) ~= "string" then
+        if data ~= nil then
+            return nil, "data must be a string"
+        end
+        data = ""
+    end
+    local dlen = #data
+    if dlen > MAX_REQUEST_BYTES then
+        return nil, "message too large"
+    end
+    local key = ""
+    if ordering_key ~= nil then
+        if type(ordering_key) ~= "string" then
+            return nil, "ordering key must be a string"
+        end
+        if #ordering_key > MAX_ORDERING_KEY_BYTES then
+            return nil, "ordering key too long"
+        end
+        key = ordering_key
+    end
+    if self.closed then
+        return nil, "closed"
+    end
+
+    local s = self.scratch
+    s:reset()
+    s:put(',{')
+    local comma = ""
+    if dlen > 0 then
+        s:put('"data":"')
+        local n = floor((dlen + 2) / 3) * 4
+        local p = s:reserve(n)
+        s:commit(encode_b64(data, dlen, p, 0))
+        s:put('"')
+        comma = ","
+    end
+    if attributes ~= nil then
+        if type(attributes) ~= "table" then
+            return nil, "attributes must be a table"
+        end
+        local count = 0
+        for k, v in pairs(attributes) do
+            count = count + 1
+            if count > MAX_ATTRIBUTES then
+                return nil, "too many attributes"
+            end
+            if type(k) ~= "string" then
+                return nil, "attribute key must be a string"
+            end
+            local klen = #k
+            if klen == 0 or klen > MAX_KEY_BYTES then
+                return nil, "attribute key must be 1 to 256 bytes"
+            end
+            if sub(k, 1, 4) == "goog" then
+                return nil, "attribute key must not start with goog"
+            end
+            if type(v) ~= "string" then
+                return nil, "attribute value must be a string"
+            end
+            if #v > MAX_VALUE_BYTES then
+                return nil, "attribute value too long"
+            end
+            if count == 1 then
+                s:put(comma, '"attributes":{')
+            else
+                s:put(',')
+            end
+            if not put_string(s, k) then
+                return nil, "attribute key must be valid UTF-8"
+            end
+            s:put(':')
+            if not put_string(s, v) then
+                return nil, "attribute value must be valid UTF-8"
+            end
+        end
+        if count > 0 then
+            s:put('}')
+            comma = ","
+        end
+    end
+    if comma == "" then
+        return nil, "message needs data or attributes"
+    end
+    if key ~= "" then
+        s:put(',"orderingKey":')
+        if not put_string(s, key) then
+            return nil, "ordering key must be valid UTF-8"
+        end
+    end
+    s:put('}')
+    local len = #s
+    if len - 1 + ENVELOPE > MAX_REQUEST_BYTES then
+        return nil, "message too large"
+    end
+
+    local q = self.queues[key]
+    if q and q.paused then
+        return nil, "ordering key paused"
+    end
+
+    -- buffer bounds: everything not yet acknowledged counts
+    local msgs = self.queued_messages + self.inflight_messages + 1
+    local bytes = self.queued_bytes + self.inflight_bytes + len
+    if msgs > self.buffer_max_messages or bytes > self.buffer_max_bytes then
+        if self.overflow ~= "drop_oldest" then
+            self.rejected = self.rejected + 1
+            return nil, "buffer full"
+        end
+        q = q or get_queue(self, key)
+        repeat
+            if not drop_one(self, q) then
+                self.rejected = self.rejected + 1
+                return nil, "buffer full"
+            end
+            msgs = self.queued_messages + self.inflight_messages + 1
+            bytes = self.queued_bytes + self.inflight_bytes + len
+        until msgs <= self.buffer_max_messages
+              and bytes <= self.buffer_max_bytes
+    end
+
+    q = q or get_queue(self, key)
+    local now = ngx_now()
+    local b = q.open
+    if b and (b.n >= self.batch_max_messages
+              or b.bytes + len > self.batch_max_bytes)
+    then
+        seal(self, b)
+        b = nil
+    end
+    if not b then
+        b = new_batch(self, q, now)
+    end
+    b.buf:put(s)
+    local total = b.total + 1
+    b.total = total
+    b.lens[total] = len
+    b.times[total] = now
+    b.n = b.n + 1
+    b.bytes = b.bytes + len
+    self.queued_messages = self.queued_messages + 1
+    self.queued_bytes = self.queued_bytes + len
+    if b.n >= self.batch_max_messages or b.bytes >= self.batch_max_bytes then
+        seal(self, b)
+    end
+    if not self.running then
+        local ok, err = start(self)
+        if not ok then
+            ngx_log(ngx_ERR, LOG_TAG, "failed to start the sender: ", err)
+        end
+    end
+    return true
+end
+
+
+-- the next batch a sender may take, or nil and how long to wait
+local function next_batch(self)
+    local now = ngx_now()
+    local delay = self.batch_max_delay
+    if not self.exiting and worker_exiting() then
+        self.exiting = true
+        self.exit_deadline = now + self.flush_timeout
+    end
+    local exiting = self.exiting
+    if exiting and now >= self.exit_deadline then
+        return nil, 0
+    end
+    local opening = self.opening
+    local wait = IDLE_WAIT
+    while opening.first <= opening.last do
+        local b = opening[opening.first]
+        if b.sealed or b.dead then
+            fifo_pop(opening)
+        elseif exiting or b.t0 + delay <= now then
+            fifo_pop(opening)
+            seal(self, b)
+        else
+            wait = min(b.t0 + delay - now, IDLE_WAIT)
+            break
+        end
+    end
+    local sealed = self.sealed
+    for i = sealed.first, sealed.last do
+        local b = sealed[i]
+        if b and not b.dead then
+            local q = b.q
+            if (q.key == "" or q.inflight == 0) and not q.paused
+               and q.batches[q.batches.first] == b
+            then
+                sealed[i] = false
+                while sealed.first <= sealed.last
+                      and not sealed[sealed.first]
+                do
+                    fifo_pop(sealed)
+                end
+                return b
+            end
+        elseif i == sealed.first then
+            sealed[i] = false
+        end
+    end
+    while sealed.first <= sealed.last and not sealed[sealed.first] do
+        fifo_pop(sealed)
+    end
+    return nil, wait
+end
+
+
+local function call(self, fn, ...)
+    local ok, err = xpcall(fn, traceback, ...)
+    if not ok then
+        ngx_log(ngx_ERR, LOG_TAG, self.name, ": callback failed: ", err)
+    end
+end
+
+
+-- the messages of a request body, for the error callback
+local function decode_messages(body)
+    local t = json_decode(body)
+    local msgs = type(t) == "table" and t.messages or {}
+    for i = 1, #msgs do
+        local m = msgs[i]
+        m.data = m.data and decode_base64(m.data) or ""
+        m.ordering_key = m.orderingKey
+        m.orderingKey = nil
+    end
+    return msgs
+end
+
+
+local function report_failure(self, q, body, n, reason, attempts, status)
+    self.failed = self.failed + n
+    if self.on_error then
+        call(self, self.on_error, decode_messages(body), reason, {
+            topic = self.topic, ordering_key = q.key ~= "" and q.key or nil,
+            attempts = attempts, status = status,
+        })
+    else
+        ngx_log(ngx_ERR, LOG_TAG, self.name, ": ", n,
+                " messages not delivered: ", reason)
+    end
+end
+
+
+-- classifies a response: "ok", "retry", "auth" or "fatal", and a reason
+local function classify_response(res)
+    local status = res.status
+    if status >= 200 and status < 300 then
+        return "ok"
+    end
+    local body = json_decode(res.body)
+    local err = type(body) == "table" and body.error
+    local canon = type(err) == "table" and err.status
+    local msg = type(err) == "table" and err.message
+    local reason = "status " .. status
+    if type(canon) == "string" then
+        reason = reason .. " " .. canon
+    end
+    if type(msg) == "string" then
+        reason = reason .. ": " .. msg
+    elseif type(body) ~= "table" and #res.body > 0 then
+        reason = reason .. ": " .. sub(res.body, 1, 200)
+    end
+    if status == 401 or canon == "UNAUTHENTICATED" then
+        return "auth", reason
+    end
+    if type(canon) == "string" then
+        return RETRY_STATUS[canon] and "retry" or "fatal", reason
+    end
+    return RETRY_HTTP[status] and "retry" or "fatal", reason
+end
+
+
+local function dispatch(self, b)
+    local q = b.q
+    fifo_pop(q.batches)
+    local n, bytes = b.n, b.bytes
+    self.queued_messages = self.queued_messages - n
+    self.queued_bytes = self.queued_bytes - bytes
+    self.inflight_messages = self.inflight_messages + n
+    self.inflight_bytes = self.inflight_bytes + bytes
+    self.inflight = self.inflight + 1
+    q.inflight = q.inflight + 1
+    self.batches = self.batches + 1
+    self.batched_messages = self.batched_messages + n
+
+    local req = self.req
+    req:reset()
+    b.buf:skip(1)     -- the first message's leading comma
+    req:put('{"messages":[', b.buf, ']}')
+    local body = req:tostring()
+    req:reset()
+    b.buf = nil
+
+    local first = ngx_now()
+    local deadline = first + self.retry_deadline
+    local backoff = self.retry_initial
+    local attempts = 0
+    local refreshed = false
+    local outcome, reason, res, status
+    while true do
+        attempts = attempts + 1
+        local hard = self.exiting and self.exit_deadline
+        if hard and hard < deadline then
+            deadline = hard
+        end
+        local tok, err = self.cred:get(min(10, deadline - ngx_now()))
+        if self.cred.kind ~= "none" and not tok then
+            outcome, reason = "retry", err
+        else
+            local headers = self.headers
+            if tok then
+                headers = headers .. "Authorization: Bearer " .. tok .. "\r\n"
+            end
+            self.requests = self.requests + 1
+            res, err = self.client:request("POST", self.path, headers, body)
+            if not res then
+                outcome, reason, status = "retry", err, nil
+            else
+                status = res.status
+                outcome, reason = classify_response(res)
+                if outcome == "auth" then
+                    if refreshed then
+                        outcome = "fatal"
+                    else
+                        refreshed = true
+                        self.cred:invalidate(tok)
+                    end
+                end
+            end
+        end
+        if outcome == "ok" or outcome == "fatal" then
+            break
+        end
+        ngx_update_time()
+        local now = ngx_now()
+        if outcome == "retry" then
+            local sleep = backoff * (0.5 + random() * 0.5)
+            if now + sleep >= deadline then
+                reason = reason .. " (retry deadline reached after "
+                         .. attempts .. " attempts)"
+                break
+            end
+            self.retried = self.retried + 1
+            ngx_sleep(sleep)
+            backoff = min(backoff * 2, self.retry_max_backoff)
+        else
+            -- 401: retry at once with a fresh token
+            self.retried = self.retried + 1
+            if now >= deadline then
+                break
+            end
+        end
+    end
+
+    ngx_update_time()
+    local now = ngx_now()
+    self.inflight_messages = self.inflight_messages - n
+    self.inflight_bytes = self.inflight_bytes - bytes
+    self.inflight = self.inflight - 1
+    q.inflight = q.inflight - 1
+
+    if outcome == "ok" then
+        self.sent = self.sent + n
+        local hist = self.latency
+        local times = b.times
+        for i = b.head, b.total do
+            hist:record(now - times[i])
+        end
+        if self.on_success then
+            local t = json_decode(res.body)
+            local ids = type(t) == "table" and t.messageIds or {}
+            call(self, self.on_success, ids, {
+                topic = self.topic,
+                ordering_key = q.key ~= "" and q.key or nil,
+                attempts = attempts,
+            })
+        end
+
+    else
+        report_failure(self, q, body, n, reason, attempts, status)
+        if q.key ~= "" and not self.exiting then
+            -- ordered delivery: later messages of this key would overtake
+            -- the failed ones, so the key stops until p:resume(key)
+            q.paused = reason
+            local pending = 0
+            while true do
+                local nb = fifo_pop(q.batches)
+                if not nb then
+                    break
+                end
+                nb.dead = true
+                if nb.n > 0 then
+                    pending = pending + nb.n
+                    self.queued_messages = self.queued_messages - nb.n
+                    self.queued_bytes = self.queued_bytes - nb.bytes
+                    nb.buf:skip(1)
+                    report_failure(self, q, '{"messages":['
+                                   .. nb.buf:tostring() .. ']}', nb.n,
+                                   "ordering key paused", 0, nil)
+                end
+            end
+            q.open = nil
+        end
+    end
+    if q.key ~= "" and not q.paused and q.inflight == 0
+       and q.batches.first > q.batches.last
+    then
+        self.queues[q.key] = nil
+    end
+    local sema = self.sema
+    if sema:count() < self.concurrency then
+        sema:post(1)
+    end
+end
+
+
+-- reports and forgets everything still buffered (exit budget spent)
+local function abandon(self)
+    local lost = 0
+    for _, q in pairs(self.queues) do
+        while true do
+            local b = fifo_pop(q.batches)
+            if not b then
+                break
+            end
+            b.dead = true
+            if b.n > 0 then
+                lost = lost + b.n
+                self.queued_messages = self.queued_messages - b.n
+                self.queued_bytes = self.queued_bytes - b.bytes
+                b.buf:skip(1)
+                report_failure(self, q, '{"messages":['
+                               .. b.buf:tostring() .. ']}', b.n,
+                               "worker exiting: flush budget spent", 0, nil)
+            end
+        end
+        q.open = nil
+    end
+    return lost
+end
+
+
+local function sender(self)
+    while true do
+        local ok, err = xpcall(function()
+            while true do
+                local b, wait = next_batch(self)
+                if b then
+                    dispatch(self, b)
+                else
+                    if self.exiting then
+                        if self.queued_messages == 0 then
+                            return
+                        end
+                        ngx_update_time()
+                        if ngx_now() >= self.exit_deadline then
+                            return
+                        end
+                        wait = min(wait, 0.05)
+                    end
+                    self.sema:wait(wait)
+                    ngx_update_time()
+                end
+            end
+        end, traceback)
+        if ok then
+            return
+        end
+        ngx_log(ngx_ERR, LOG_TAG, self.name, ": sender failed: ", err)
+        ngx_sleep(0.1)
+    end
+end
+
+
+local function run(premature, self)
+    if premature then
+        -- a worker that exits before the first run: flush what we have
+        self.exiting = true
+        self.exit_deadline = ngx_now() + self.flush_timeout
+    end
+    local threads = {}
+    for i = 1, self.concurrency do
+        local t, err = thread_spawn(sender, self)
+        if not t then
+            ngx_log(ngx_ERR, LOG_TAG, "failed to spawn sender: ", err)
+            break
+        end
+        threads[i] = t
+    end
+    for i = 1, #threads do
+        thread_wait(threads[i])
+    end
+    if self.exiting then
+        local left = self.queued_messages
+        if left > 0 then
+            left = abandon(self)
+            ngx_log(ngx_ERR, LOG_TAG, self.name, ": ", left,
+                    " messages not delivered at worker exit")
+        end
+        self.closed = true
+        ngx_log(ngx_NOTICE, LOG_TAG, self.name, ": flushed at exit: sent ",
+                self.sent, ", failed ", self.failed, ", dropped ",
+                self.dropped)
+    else
+        self.running = false
+    end
+end
+
+
+local function poke(_, self)
+    self.sema:post(self.concurrency)
+end
+
+
+local function exit_watch(premature, self)
+    if not premature then
+        local ok = timer_at(EXIT_WATCH, self.exit_fn, self)
+        if ok then
+            return
+        end
+    end
+    if not self.exiting then
+        self.exiting = true
+        ngx_update_time()
+        self.exit_deadline = ngx_now() + self.flush_timeout
+        -- a post made here is only seen after the event loop's next wait;
+        -- a 0-delay timer posts from a context whose events run at once
+        if not timer_at(0, poke, self) then
+            self.sema:post(self.concurrency)
+        end
+    end
+end
+
+
+-- seals every open batch so senders take them now
+function _M.flush(self)
+    local opening = self.opening
+    while opening.first <= opening.last do
+        local b = fifo_pop(opening)
+        if not b.sealed and not b.dead then
+            seal(self, b)
+        end
+    end
+    return true
+end
+
+
+-- lets an ordering key that failed take messages again
+function _M.resume(self, ordering_key)
+    local q = self.queues[ordering_key or ""]
+    if q and q.paused then
+        q.paused = nil
+        if q.inflight == 0 and q.batches.first > q.batches.last then
+            self.queues[q.key] = nil
+        end
+    end
+    return true
+end
+
+
+local function export(self)
+    local lat = self.latency
+    local buckets = {}
+    local nb = 0
+    for i = 0, 255 do
+        local c = lat.buckets[i]
+        if c > 0 then
+            nb = nb + 1
+            buckets[nb] = { i, tonumber(c) }
+        end
+    end
+    local st = self:stats()
+    st.latency_buckets = buckets
+    st.latency_sum = lat.sum
+    st.latency_min = lat.min
+    st.latency_max = lat.max
+    return st
+end
+
+
+-- this worker's figures
+function _M.stats(self)
+    return {
+        name = self.name,
+        topic = self.topic,
+        buffered_messages = self.queued_messages + self.inflight_messages,
+        buffered_bytes = self.queued_bytes + self.inflight_bytes,
+        queued_messages = self.queued_messages,
+        in_flight = self.inflight,
+        in_flight_messages = self.inflight_messages,
+        sent = self.sent,
+        failed = self.failed,
+        retried = self.retried,
+        dropped = self.dropped,
+        rejected = self.rejected,
+        batches = self.batches,
+        mean_batch_size = self.batches > 0
+                          and self.batched_messages / self.batches or 0,
+        http_requests = self.requests,
+        connections = self.client.connects,
+        latency = self.latency:summary(),
+        token_refreshes = self.cred:refresh_count(),
+    }
+end
+
+
+local SUM_FIELDS = {
+    "buffered_messages", "buffered_bytes", "queued_messages", "in_flight",
+    "in_flight_messages", "sent", "failed", "retried", "dropped",
+    "rejected", "batches", "http_requests", "connections",
+}
+
+
+-- merges exported per-worker figures of one publisher
+local function merge(list)
+    local total = {}
+    for _, f in ipairs(SUM_FIELDS) do
+        total[f] = 0
+    end
+    local hist = histogram.new()
+    local batched = 0
+    local refreshes = 0
+    for _, st in ipairs(list) do
+        total.name, total.topic = st.name, st.topic
+        for _, f in ipairs(SUM_FIELDS) do
+            total[f] = total[f] + (tonumber(st[f]) or 0)
+        end
+        batched = batched + (st.mean_batch_size or 0) * (st.batches or 0)
+        refreshes = math.max(refreshes, st.token_refreshes or 0)
+        for _, pair in ipairs(st.latency_buckets or {}) do
+            hist.buckets[pair[1]] = hist.buckets[pair[1]] + pair[2]
+            hist.count = hist.count + pair[2]
+        end
+        hist.sum = hist.sum + (st.latency_sum or 0)
+        if st.latency_max and st.latency_max > hist.max then
+            hist.max = st.latency_max
+        end
+        if st.latency_min and (not hist.min or st.latency_min < hist.min) then
+            hist.min = st.latency_min
+        end
+    end
+    total.mean_batch_size = total.batches > 0 and batched / total.batches
+                            or 0
+    total.latency = hist:summary()
+    total.token_refreshes = refreshes
+    return total
+end
+
+
+local function collect_local()
+    local out = {}
+    for name, p in pairs(publishers) do
+        out[name] = export(p)
+    end
+    return out
+end
+
+
+-- all = publish.stats_all(timeout): per publisher name, the figures of all
+-- live workers merged (or of this worker when no events bus exists), plus
+-- .workers (how many answered)
+function _M.stats_all(timeout)
+    local per_worker
+    local ok, events = pcall(require, "resty.loom.events")
+    local bus = ok and type(events) == "table" and events.get
+                and events.get()
+    if bus and collector_registered then
+        local res, err = bus:collect("loom.publish", timeout or 1)
+        if res then
+            per_worker = res
+        else
+            ngx_log(ngx_WARN, LOG_TAG, "collect failed: ", err)
+        end
+    end
+    if not per_worker then
+        per_worker = { [ngx.worker.id() or 0] = collect_local() }
+    end
+    local by_name = {}
+    local workers = 0
+    for _, pubs in pairs(per_worker) do
+        workers = workers + 1
+        if type(pubs) ~= "table" then
+            pubs = {}
+        end
+        for name, st in pairs(pubs) do
+            local l = by_name[name]
+            if not l then
+                l = {}
+                by_name[name] = l
+            end
+            l[#l + 1] = st
+        end
+    end
+    local out = { workers = workers, publishers = {} }
+    for name, l in pairs(by_name) do
+        out.publishers[name] = merge(l)
+    end
+    return out
+end
+
+
+local function register_collector()
+    if collector_registered then
+        return
+    end
+    local ok, events = pcall(require, "resty.loom.events")
+    if ok and type(events) == "table" and events.register_collector then
+        local rok, err = pcall(events.register_collector, "loom.publish",
+                               collect_local)
+        if rok then
+            collector_registered = true
+        else
+            ngx_log(ngx_WARN, LOG_TAG, "no stats collector: ", err)
+        end
+    end
+end
+
+
+local function num(opts, name, default, lo, hi)
+    local v = opts[name]
+    if v == nil then
+        return default
+    end
+    if type(v) ~= "number" or v ~= v or v < lo or (hi and v > hi) then
+        error("opts." .. name .. " must be a number from " .. lo
+              .. (hi and (" to " .. hi) or " up"), 3)
+    end
+    return v
+end
+
+
+-- p = publish.new(opts): see docs/publish.md for every option
+function _M.new(opts)
+    if type(opts) ~= "table" then
+        error("opts must be a table", 2)
+    end
+    local project, topic = opts.project, opts.topic
+    if type(project) ~= "string" or not project:match("^[%w][%w.:-]*$") then
+        error("opts.project must be a project id", 2)
+    end
+    if type(topic) ~= "string" or #topic < 3 or #topic > 255
+       or not topic:match("^%a[%w%-_.~+%%]*$") or sub(topic, 1, 4) == "goog"
+    then
+        error("opts.topic must be a topic id (3-255 characters, starting "
+              .. "with a letter)", 2)
+    end
+    local overflow = opts.overflow or "reject"
+    if overflow ~= "reject" and overflow ~= "drop_oldest" then
+        error("opts.overflow must be \"reject\" or \"drop_oldest\"", 2)
+    end
+    for _, cb in ipairs({ "on_success", "on_error" }) do
+        if opts[cb] ~= nil and type(opts[cb]) ~= "function" then
+            error("opts." .. cb .. " must be a function", 2)
+        end
+    end
+
+    local emulator = opts.emulator_host
+    if emulator == nil then
+        emulator = os.getenv("PUBSUB_EMULATOR_HOST")
+        if emulator == "" then
+            emulator = nil
+        end
+    end
+    local endpoint = opts.endpoint or "https://pubsub.googleapis.com"
+    local cred_opts = opts.credentials
+    if emulator then
+        if type(emulator) ~= "string" then
+            error("opts.emulator_host must be host:port or false", 2)
+        end
+        endpoint = "http://" .. emulator
+        cred_opts = { type = "none" }
+    elseif cred_opts == nil then
+        error("opts.credentials is required (or opts.emulator_host)", 2)
+    end
+    local scheme, host, port = http.parse_url(endpoint)
+    if not scheme then
+        error("opts.endpoint: " .. host, 2)
+    end
+
+    local timeout = num(opts, "timeout", 10, 0.001)
+    local concurrency = num(opts, "concurrency", 4, 1, 64)
+    local self = {
+        name = opts.name or (project .. "/" .. topic),
+        project = project,
+        topic = topic,
+        path = "/v1/projects/" .. project .. "/topics/" .. topic
+               .. ":publish",
+        headers = "Content-Type: application/json\r\n"
+                  .. (opts.user_project and ("X-Goog-User-Project: "
+                      .. opts.user_project .. "\r\n") or ""),
+        batch_max_messages = num(opts, "batch_max_messages", MAX_MESSAGES, 1,
+                                 MAX_MESSAGES),
+        batch_max_bytes = num(opts, "batch_max_bytes", 5000000, 1,
+                              MAX_REQUEST_BYTES - ENVELOPE),
+        batch_max_delay = num(opts, "batch_max_delay", 0.05, 0),
+        buffer_max_messages = num(opts, "buffer_max_messages", 100000, 1),
+        buffer_max_bytes = num(opts, "buffer_max_bytes", 64 * 1024 * 1024,
+                               1),
+        overflow = overflow,
+        concurrency = concurrency,
+        retry_deadline = num(opts, "retry_deadline", 60, 0),
+        retry_initial = num(opts, "retry_initial_backoff", 0.1, 0.001),
+        retry_max_backoff = num(opts, "retry_max_backoff", 10, 0.001),
+        flush_timeout = num(opts, "flush_timeout", 3, 0),
+        on_success = opts.on_success,
+        on_error = opts.on_error,
+        cred = auth.new(cred_opts),
+        client = http.new({
+            scheme = scheme, host = host, port = port,
+            ssl_verify = opts.ssl_verify, server_name = opts.server_name,
+            connect_timeout = min(timeout, 5), send_timeout = timeout,
+            read_timeout = timeout, pool_size = concurrency * 2,
+            keepalive_timeout = 60,
+        }),
+        -- state
+        queues = {},
+        opening = fifo_new(),    -- batches by creation time (deadlines)
+        sealed = fifo_new(),     -- batches ready to go
+        sema = semaphore.new(0),
+        scratch = buf_new(2048),
+        req = buf_new(65536),
+        running = false,
+        exiting = false,
+        exit_deadline = nil,
+        closed = false,
+        run_fn = run,
+        exit_fn = exit_watch,
+        -- figures
+        queued_messages = 0,
+        queued_bytes = 0,
+        inflight_messages = 0,
+        inflight_bytes = 0,
+        inflight = 0,
+        sent = 0,
+        failed = 0,
+        retried = 0,
+        dropped = 0,
+        rejected = 0,
+        batches = 0,
+        batched_messages = 0,
+        requests = 0,
+        latency = histogram.new(),
+    }
+    setmetatable(self, mt)
+    local phase = ngx.get_phase()
+    if phase ~= "init" then
+        local ok, err = self.cred:start()
+        if not ok then
+            return nil, err
+        end
+    end
+    publishers[self.name] = self
+    register_collector()
+    return self
+end
+
+
+-- in init_worker, for publishers made in init: starts token refreshers
+function _M.init_worker()
+    for _, p in pairs(publishers) do
+        local ok, err = p.cred:start()
+        if not ok then
+            return nil, err
+        end
+    end
+    register_collector()
+    return true
+end
+
+
+return _M

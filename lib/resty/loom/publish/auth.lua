@@ -1,0 +1,467 @@
+-- Credentials for resty.loom.publish: Google service-account keys (OAuth
+-- JWT-bearer exchange or self-signed JWT), the GCE metadata server, a static
+-- token, or none (emulator). Tokens are cached with their expiry in a shared
+-- dict when one is given, refreshed well before they expire by one worker at
+-- a time (a shm lock), and shared by every topic that uses the same
+-- credentials.
+
+
+local cjson = require "cjson.safe"
+local http = require "resty.loom.http"
+local jwt = require "resty.loom.jwt"
+
+local ngx_now = ngx.now
+local ngx_sleep = ngx.sleep
+local ngx_log = ngx.log
+local ngx_WARN = ngx.WARN
+local ngx_ERR = ngx.ERR
+local ngx_md5 = ngx.md5
+local escape_uri = ngx.escape_uri
+local timer_at = ngx.timer.at
+local worker_exiting = ngx.worker.exiting
+local json_decode = cjson.decode
+local type = type
+local concat = table.concat
+local tostring = tostring
+local floor = math.floor
+local io_open = io.open
+local error = error
+local setmetatable = setmetatable
+
+local LOG_TAG = "[loom.publish] "
+local DEFAULT_SCOPES = { "https://www.googleapis.com/auth/pubsub" }
+local DEFAULT_TOKEN_URI = "https://oauth2.googleapis.com/token"
+local SELF_SIGNED_AUD = "https://pubsub.googleapis.com/"
+local METADATA_PATH =
+    "/computeMetadata/v1/instance/service-accounts/default/token"
+local DEFAULT_METADATA_HOST = "169.254.169.254"
+local JWT_LIFETIME = 3600
+local LOCK_TTL = 30
+local WAIT_STEP = 0.02
+
+-- one credential object per worker per identity, shared by all publishers
+local registry = {}
+
+
+local _M = { _VERSION = "0.1.0" }
+local mt = { __index = _M }
+
+
+local function read_file(path)
+    local f, err = io_open(path, "rb")
+    if not f then
+        return nil, err
+    end
+    local data = f:read("*a")
+    f:close()
+    return data
+end
+
+
+local function load_key(opts)
+    local key = opts.key
+    if key == nil and opts.key_file ~= nil then
+        if type(opts.key_file) ~= "string" then
+            error("credentials.key_file must be a string", 3)
+        end
+        local data, err = read_file(opts.key_file)
+        if not data then
+            error("failed to read credentials.key_file: " .. err, 3)
+        end
+        key = data
+    end
+    if type(key) == "string" then
+        local t = json_decode(key)
+        if type(t) ~= "table" then
+            error("credentials key is not valid JSON", 3)
+        end
+        key = t
+    end
+    if type(key) ~= "table" then
+        error("credentials.key or credentials.key_file is required", 3)
+    end
+    if type(key.client_email) ~= "string"
+       or type(key.private_key) ~= "string"
+    then
+        error("credentials key needs client_email and private_key", 3)
+    end
+    return key
+end
+
+
+local function secs(opts, name, default)
+    local v = opts[name]
+    if v == nil then
+        return default
+    end
+    if type(v) ~= "number" or v < 0 then
+        error("credentials." .. name .. " must be a non-negative number", 3)
+    end
+    return v
+end
+
+
+-- Fetches a fresh token: returns token, lifetime (seconds) or nil, err.
+local function fetch(self)
+    local kind = self.kind
+    if kind == "self_signed" then
+        local now = floor(ngx_now())
+        local tok, err = self.signer:encode({
+            iss = self.email, sub = self.email, aud = self.audience,
+            iat = now, exp = now + JWT_LIFETIME,
+        }, self.kid and { kid = self.kid } or nil)
+        if not tok then
+            return nil, err
+        end
+        return tok, JWT_LIFETIME
+    end
+
+    local res, err
+    if kind == "service_account" then
+        local now = floor(ngx_now())
+        local assertion
+        assertion, err = self.signer:encode({
+            iss = self.email, scope = self.scope, aud = self.token_uri,
+            iat = now, exp = now + JWT_LIFETIME,
+        }, self.kid and { kid = self.kid } or nil)
+        if not assertion then
+            return nil, err
+        end
+        res, err = self.client:request("POST", self.token_path, {
+            ["Content-Type"] = "application/x-www-form-urlencoded",
+            ["Accept"] = "application/json",
+        }, "grant_type=urn%3Aietf%3Aparams%3Aoauth%3Agrant-type%3Ajwt-bearer"
+           .. "&assertion=" .. escape_uri(assertion))
+
+    else -- metadata
+        res, err = self.client:request("GET", self.token_path, {
+            ["Metadata-Flavor"] = "Google",
+            ["Accept"] = "application/json",
+        })
+    end
+    if not res then
+        return nil, "failed to fetch token: " .. err
+    end
+    local body = json_decode(res.body)
+    if res.status ~= 200 then
+        local reason = type(body) == "table"
+                       and (body.error_description or body.error)
+        return nil, "failed to fetch token: status " .. res.status
+                    .. (type(reason) == "string" and (": " .. reason) or "")
+    end
+    if type(body) ~= "table" or type(body.access_token) ~= "string"
+       or body.access_token == ""
+    then
+        return nil, "failed to fetch token: bad response"
+    end
+    local ttl = tonumber(body.expires_in) or 3600
+    return body.access_token, ttl
+end
+
+
+-- Refreshes under the lock; returns token or nil, err. Caller holds no lock.
+local function refresh(self)
+    local shm = self.shm
+    local key = self.key
+    if shm then
+        local ok = shm:add(self.lock_key, ngx.worker.pid(), LOCK_TTL)
+        if not ok then
+            return nil, "busy"
+        end
+    elseif self.refreshing then
+        return nil, "busy"
+    end
+    if shm then
+        -- another worker may have refreshed while we were deciding
+        local cur, expiry = shm:get(key)
+        if cur and expiry - ngx_now() > self.margin then
+            shm:delete(self.lock_key)
+            self.token = cur
+            self.expiry = expiry
+            return cur
+        end
+    end
+    self.refreshing = true
+    local tok, ttl = fetch(self)
+    self.refreshing = false
+    if not tok then
+        if shm then
+            shm:delete(self.lock_key)
+        end
+        self.failures = self.failures + 1
+        return nil, ttl
+    end
+    local expiry = ngx_now() + ttl
+    self.refreshes = self.refreshes + 1
+    if shm then
+        -- the expiry rides in the flags (unix seconds fit 32 bits)
+        local ok, err = shm:set(key, tok, ttl, floor(expiry))
+        if not ok then
+            ngx_log(ngx_ERR, LOG_TAG, "failed to store token: ", err)
+        end
+        shm:incr(self.count_key, 1, 0)
+        shm:delete(self.lock_key)
+    end
+    self.token = tok
+    self.expiry = expiry
+    return tok
+end
+
+
+local function cached(self)
+    local shm = self.shm
+    if shm then
+        local tok, expiry = shm:get(self.key)
+        if tok then
+            self.token = tok
+            self.expiry = expiry
+            return tok, expiry
+        end
+        return nil
+    end
+    return self.token, self.expiry
+end
+
+
+-- token, err = cred:get(timeout): a valid token (nil for kind "none");
+-- may yield: call it from a timer or a yieldable phase
+function _M.get(self, timeout)
+    local kind = self.kind
+    if kind == "none" then
+        return nil
+    end
+    if kind == "static" then
+        return self.token
+    end
+    local deadline = ngx_now() + (timeout or 10)
+    local step = WAIT_STEP
+    while true do
+        local tok, expiry = cached(self)
+        local now = ngx_now()
+        if tok and expiry - now > self.margin then
+            return tok
+        end
+        local fresh, err = refresh(self)
+        if fresh then
+            return fresh
+        end
+        if tok and expiry - now > 1 then
+            -- someone else is refreshing, or it failed: the old one is
+            -- still good for now
+            return tok
+        end
+        if err ~= "busy" then
+            return nil, err
+        end
+        if now >= deadline then
+            return nil, "failed to get token: timeout"
+        end
+        ngx_sleep(step)
+        if step < 0.2 then
+            step = step * 2
+        end
+    end
+end
+
+
+-- cred:invalidate(token): the server rejected this token (401); the next
+-- get() fetches a new one (unless another worker already has)
+function _M.invalidate(self, tok)
+    if not tok or self.kind == "static" or self.kind == "none" then
+        return
+    end
+    if self.shm then
+        local cur = self.shm:get(self.key)
+        if cur == tok then
+            self.shm:delete(self.key)
+        end
+    end
+    if self.token == tok then
+        self.token = nil
+        self.expiry = nil
+    end
+end
+
+
+-- number of refreshes: across workers when a shared dict is used
+function _M.refresh_count(self)
+    if self.shm then
+        return self.shm:get(self.count_key) or 0
+    end
+    return self.refreshes
+end
+
+
+local function refresher(premature, self)
+    if premature or worker_exiting() then
+        return
+    end
+    local tok, expiry = cached(self)
+    if not tok or expiry - ngx_now() <= self.margin then
+        local ok, err = refresh(self)
+        if not ok and err ~= "busy" then
+            ngx_log(ngx_WARN, LOG_TAG, "token refresh: ", err)
+        end
+    end
+    local ok, err = timer_at(self.check_interval, refresher, self)
+    if not ok and not worker_exiting() then
+        ngx_log(ngx_ERR, LOG_TAG, "failed to schedule refresher: ", err)
+    end
+end
+
+
+-- starts this worker's background refresher (once per credential)
+function _M.start(self)
+    if self.started or self.kind == "none" or self.kind == "static" then
+        return true
+    end
+    local ok, err = timer_at(0, refresher, self)
+    if not ok then
+        return nil, "failed to start refresher: " .. err
+    end
+    self.started = true
+    return true
+end
+
+
+-- cred = auth.new(opts) (raises on bad options)
+--   opts.type: "service_account" (default when key/key_file is given),
+--     "metadata", "token", "none"
+--   opts.key / opts.key_file: the JSON key (table, string or file path)
+--   opts.self_signed_jwt: sign tokens locally (aud
+--     https://pubsub.googleapis.com/), no token exchange
+--   opts.scopes, opts.token_uri, opts.metadata_host, opts.token,
+--   opts.shm (lua_shared_dict name), opts.refresh_margin (300 s),
+--   opts.timeout (10 s), opts.ssl_verify (true), opts.audience
+function _M.new(opts)
+    if opts == nil then
+        opts = { type = "none" }
+    end
+    if type(opts) ~= "table" then
+        error("credentials must be a table", 2)
+    end
+    local kind = opts.type
+    if kind == nil then
+        if opts.key ~= nil or opts.key_file ~= nil then
+            kind = "service_account"
+        elseif opts.token ~= nil then
+            kind = "token"
+        else
+            kind = "none"
+        end
+    end
+    if kind == "service_account" and opts.self_signed_jwt then
+        kind = "self_signed"
+    end
+
+    local self = {
+        kind = kind,
+        margin = secs(opts, "refresh_margin", 300),
+        refreshes = 0,
+        failures = 0,
+        started = false,
+        refreshing = false,
+    }
+    local timeout = secs(opts, "timeout", 10)
+    local identity
+
+    if kind == "none" then
+        identity = "none"
+
+    elseif kind == "token" then
+        if type(opts.token) ~= "string" or opts.token == "" then
+            error("credentials.token must be a non-empty string", 2)
+        end
+        self.kind = "static"
+        self.token = opts.token
+        return setmetatable(self, mt)
+
+    elseif kind == "service_account" or kind == "self_signed" then
+        local key = load_key(opts)
+        local signer, err = jwt.new(key.private_key)
+        if not signer then
+            error("credentials private_key: " .. err, 2)
+        end
+        self.signer = signer
+        self.email = key.client_email
+        self.kid = key.private_key_id
+        local scopes = opts.scopes or DEFAULT_SCOPES
+        if type(scopes) == "string" then
+            scopes = { scopes }
+        end
+        self.scope = concat(scopes, " ")
+        if kind == "self_signed" then
+            self.audience = opts.audience or SELF_SIGNED_AUD
+            identity = "jwt:" .. self.email .. ":" .. self.audience
+        else
+            local uri = opts.token_uri or key.token_uri or DEFAULT_TOKEN_URI
+            local scheme, host, port, path = http.parse_url(uri)
+            if not scheme then
+                error("credentials token_uri: " .. host, 2)
+            end
+            self.token_uri = uri
+            self.token_path = path
+            self.client = http.new({
+                scheme = scheme, host = host, port = port,
+                ssl_verify = opts.ssl_verify,
+                connect_timeout = timeout, send_timeout = timeout,
+                read_timeout = timeout, pool_size = 4,
+            })
+            identity = "sa:" .. self.email .. ":" .. self.scope .. ":" .. uri
+        end
+
+    elseif kind == "metadata" then
+        local host = opts.metadata_host or os.getenv("GCE_METADATA_HOST")
+                     or DEFAULT_METADATA_HOST
+        local h, port = host:match("^([^:]+):?(%d*)$")
+        if not h then
+            error("credentials.metadata_host is not host[:port]", 2)
+        end
+        local path = METADATA_PATH
+        if opts.scopes then
+            local scopes = opts.scopes
+            if type(scopes) == "string" then
+                scopes = { scopes }
+            end
+            path = path .. "?scopes=" .. escape_uri(concat(scopes, ","))
+        end
+        self.token_path = path
+        self.client = http.new({
+            scheme = "http", host = h, port = tonumber(port) or 80,
+            connect_timeout = timeout, send_timeout = timeout,
+            read_timeout = timeout, pool_size = 4,
+        })
+        identity = "md:" .. host .. path
+
+    else
+        error("credentials.type must be service_account, metadata, token "
+              .. "or none", 2)
+    end
+
+    local shm_name = opts.shm
+    if shm_name ~= nil then
+        local shm = ngx.shared[shm_name]
+        if not shm then
+            error("credentials.shm: no lua_shared_dict " .. tostring(shm_name),
+                  2)
+        end
+        self.shm = shm
+    end
+    local reg_key = identity .. "|" .. tostring(shm_name) .. "|"
+                    .. self.margin
+    local existing = registry[reg_key]
+    if existing then
+        return existing
+    end
+    local id = ngx_md5(identity)
+    self.key = "loom:tok:" .. id
+    self.lock_key = "loom:lock:" .. id
+    self.count_key = "loom:refreshes:" .. id
+    self.check_interval = math.max(0.5, math.min(30, self.margin / 3))
+    setmetatable(self, mt)
+    registry[reg_key] = self
+    return self
+end
+
+
+return _M

@@ -1,0 +1,699 @@
+-- resty.loom.timer: scalable timers for OpenResty.
+--
+-- A hierarchical timing wheel (resty.loom.timer.core) driven by a small
+-- pool of reused native timers ("runners"). The active runner advances the
+-- wheel, sleeps on a semaphore until the next deadline (woken early when a
+-- sooner timer is added) and runs due callbacks in light threads: a lane
+-- runs queued callbacks back to back, and when one of them yields the
+-- runner spawns another lane for the rest, so yielding callbacks never hold
+-- up the others and non-yielding ones cost no thread at all. After
+-- `runner_spawns` lanes a runner hands over to a fresh native timer (its
+-- fake request keeps per-thread bookkeeping until it ends) and finishes
+-- once its lanes are done. A long pending native "sentinel" timer is fired
+-- by nginx with premature = true as soon as the worker exits; it wakes the
+-- runner, which runs every pending callback with premature = true.
+
+
+local core = require "resty.loom.timer.core"
+local tstats = require "resty.loom.timer.stats"
+local semaphore = require "ngx.semaphore"
+local ffi = require "ffi"
+
+local ngx = ngx
+local ngx_log = ngx.log
+local ERR = ngx.ERR
+local WARN = ngx.WARN
+local NOTICE = ngx.NOTICE
+local spawn = ngx.thread.spawn
+local worker_exiting = ngx.worker.exiting
+local native_at = ngx.timer.at
+local native_every = ngx.timer.every
+local native_running_count = ngx.timer.running_count
+local native_pending_count = ngx.timer.pending_count
+local ceil = math.ceil
+local floor = math.floor
+local huge = math.huge
+local tonumber = tonumber
+local type = type
+local pairs = pairs
+local ipairs = ipairs
+local next = next
+local error = error
+local tostring = tostring
+local tbl_concat = table.concat
+local tbl_sort = table.sort
+
+
+pcall(ffi.cdef, [[
+typedef struct { long tv_sec; long tv_nsec; } loom_timer_timespec_t;
+int loom_timer_clock_gettime(int clk, loom_timer_timespec_t *tp)
+    __asm__("clock_gettime");
+]])
+
+local C = ffi.C
+local CLOCK_MONOTONIC = 1
+local ts = ffi.new("loom_timer_timespec_t")
+
+
+-- monotonic clock in microseconds
+local function clock()
+    C.loom_timer_clock_gettime(CLOCK_MONOTONIC, ts)
+    return tonumber(ts.tv_sec) * 1e6 + floor(tonumber(ts.tv_nsec) / 1000)
+end
+
+
+local SENTINEL_DELAY = 86400
+local IDLE_SLEEP = 3600
+local COLLECTOR = "loom.timer"
+
+local DEFAULTS = {
+    resolution = 0.01,
+    max_running = 10000,
+    max_runners = 16,
+    runner_spawns = 1000,
+    exit_timeout = 5,
+    max_run_time = false,
+    stats = true,
+    max_names = 1000,
+    fresh_ctx = false,
+}
+
+
+local cfg = {}
+for k, v in pairs(DEFAULTS) do
+    cfg[k] = v
+end
+
+local eng                 -- the engine (resty.loom.timer.core), per worker
+local sema                -- wakes the active runner
+local active              -- the runner that drives the wheel, or nil
+local starting = false    -- a runner start is in flight
+local sentinel_armed = false
+local exiting = false
+local next_rid = 0
+local runners = {}        -- rid -> { threads, spawns, done }
+local nrunners = 0
+local threads = 0         -- live lanes over all runners
+local counters = {
+    runners_started = 0,
+    handovers = 0,
+    runner_bound_hits = 0,
+    thread_bound_hits = 0,
+    start_failures = 0,
+    lanes_spawned = 0,
+}
+
+
+local _M = {
+    _VERSION = "0.1.0",
+    native = {
+        at = native_at,
+        every = native_every,
+        running_count = native_running_count,
+        pending_count = native_pending_count,
+    },
+}
+
+
+local function log_hook(level, msg)
+    ngx_log(level == "error" and ERR or WARN, msg)
+end
+
+
+local function wake()
+    if sema then
+        sema:post(1)
+    end
+end
+
+
+local function fresh_ctx()
+    ngx.ctx = {}
+end
+
+
+local function engine()
+    if not eng then
+        eng = core.new({
+            resolution = cfg.resolution,
+            clock = clock,
+            wake = wake,
+            log = log_hook,
+            stats = cfg.stats,
+            max_names = cfg.max_names,
+            max_run_time = cfg.max_run_time or nil,
+        })
+        if cfg.fresh_ctx then
+            eng.pre_run = fresh_ctx
+        end
+        sema = semaphore.new()
+    end
+    return eng
+end
+
+
+local runner_main
+local start_runner
+
+
+local function lane(r)
+    local e = eng
+    while e:run_next() do
+        -- nothing: run_next runs one queued callback
+    end
+    r.threads = r.threads - 1
+    threads = threads - 1
+    if r.done and r.threads == 0 then
+        runners[r.id] = nil
+        nrunners = nrunners - 1
+    end
+end
+
+
+-- one pass of the dispatcher: spawn lanes while work is queued; returns
+-- false when the runner should hand over
+local function dispatch(r, e)
+    while e:queued() > 0 do
+        if threads >= cfg.max_running then
+            counters.thread_bound_hits = counters.thread_bound_hits + 1
+            return true
+        end
+        if r.spawns >= cfg.runner_spawns and not exiting then
+            if nrunners < cfg.max_runners then
+                return false
+            end
+            counters.runner_bound_hits = counters.runner_bound_hits + 1
+        end
+        r.spawns = r.spawns + 1
+        r.threads = r.threads + 1
+        threads = threads + 1
+        counters.lanes_spawned = counters.lanes_spawned + 1
+        local co, err = spawn(lane, r)
+        if not co then
+            r.threads = r.threads - 1
+            threads = threads - 1
+            ngx_log(ERR, "[loom.timer] failed to spawn a runner thread: ",
+                    err)
+            return true
+        end
+    end
+    return true
+end
+
+
+local function on_exit()
+    if exiting then
+        return
+    end
+    exiting = true
+    local e = engine()
+    local n = e:exit(clock() + cfg.exit_timeout * 1e6)
+    if n > 0 then
+        ngx_log(NOTICE, "[loom.timer] worker exiting: running ", n,
+                " pending timers with premature = true")
+    end
+    if active then
+        e.sleep_until = nil
+        sema:post(1)
+
+    elseif not starting and e:queued() > 0 then
+        start_runner()
+    end
+end
+
+
+local function sentinel(premature)
+    if premature then
+        on_exit()
+        return
+    end
+    local ok, err = native_at(SENTINEL_DELAY, sentinel)
+    if not ok then
+        sentinel_armed = false
+        ngx_log(ERR, "[loom.timer] failed to re-arm the exit sentinel: ", err)
+    end
+end
+
+
+start_runner = function()
+    next_rid = next_rid + 1
+    starting = true
+    local ok, err = native_at(0, runner_main, next_rid)
+    if not ok then
+        starting = false
+        counters.start_failures = counters.start_failures + 1
+        ngx_log(ERR, "[loom.timer] failed to start a runner: ", err)
+        return nil, err
+    end
+    counters.runners_started = counters.runners_started + 1
+    nrunners = nrunners + 1
+    return true
+end
+
+
+runner_main = function(premature, rid)
+    starting = false
+    local r = { id = rid, threads = 0, spawns = 0, done = false }
+    runners[rid] = r
+    active = r
+    local e = engine()
+    if premature or worker_exiting() then
+        on_exit()
+    end
+
+    local handover = false
+    while true do
+        if not exiting and worker_exiting() then
+            on_exit()
+        end
+        if not exiting then
+            e:advance(clock())
+        end
+        if not dispatch(r, e) then
+            handover = true
+            break
+        end
+        if exiting and e:queued() == 0 then
+            break
+        end
+
+        local w = e:next_wake()
+        local timeout
+        if w == nil then
+            timeout = IDLE_SLEEP
+            e.sleep_until = huge
+        else
+            timeout = ceil((w - clock()) / 1000) / 1000
+            e.sleep_until = w
+        end
+        if timeout > 0 then
+            sema:wait(timeout)
+        end
+        e.sleep_until = nil
+    end
+
+    r.done = true
+    if active == r then
+        active = nil
+    end
+    if r.threads == 0 then
+        runners[rid] = nil
+        nrunners = nrunners - 1
+    end
+    if handover then
+        counters.handovers = counters.handovers + 1
+        start_runner()
+    elseif e:queued() > 0 and not starting then
+        start_runner()
+    end
+end
+
+
+local function ensure_started()
+    if active or starting then
+        return
+    end
+    if not sentinel_armed and not exiting then
+        local ok, err = native_at(SENTINEL_DELAY, sentinel)
+        if not ok then
+            ngx_log(ERR, "[loom.timer] failed to arm the exit sentinel: ",
+                    err)
+        else
+            sentinel_armed = true
+        end
+    end
+    start_runner()
+end
+
+
+-- API ---------------------------------------------------------------------
+
+
+-- configure(opts): before the first timer (init_by_lua or init_worker_by_lua)
+function _M.configure(opts)
+    if type(opts) ~= "table" then
+        error("opts must be a table", 2)
+    end
+    if eng then
+        error("configure() must be called before the first timer", 2)
+    end
+    for k, v in pairs(opts) do
+        local d = DEFAULTS[k]
+        if d == nil then
+            error("opts." .. tostring(k) .. " is not an option", 2)
+        end
+        if type(d) == "number" and (type(v) ~= "number" or v <= 0) then
+            error("opts." .. k .. " must be a positive number", 2)
+        end
+        if type(d) == "boolean" and type(v) ~= "boolean"
+           and k ~= "max_run_time"
+        then
+            error("opts." .. k .. " must be a boolean", 2)
+        end
+        cfg[k] = v
+    end
+    if cfg.resolution < 0.001 or cfg.resolution > 1 then
+        error("opts.resolution must be between 0.001 and 1", 2)
+    end
+    if cfg.max_run_time and (type(cfg.max_run_time) ~= "number"
+                             or cfg.max_run_time <= 0)
+    then
+        error("opts.max_run_time must be a positive number", 2)
+    end
+    return true
+end
+
+
+local e_at = core.at
+local e_every = core.every
+
+
+function _M.at(delay, callback, ...)
+    local e = eng or engine()
+    local h, err = e_at(e, delay, callback, ...)
+    if h and not active then
+        ensure_started()
+    end
+    return h, err
+end
+
+
+function _M.every(interval, callback, ...)
+    local e = eng or engine()
+    local h, err = e_every(e, interval, callback, ...)
+    if h and not active then
+        ensure_started()
+    end
+    return h, err
+end
+
+
+function _M.cancel(handle)
+    return engine():cancel(handle)
+end
+
+
+function _M.pause(handle)
+    return engine():pause(handle)
+end
+
+
+function _M.resume(handle)
+    local ok, err = engine():resume(handle)
+    if ok and not active then
+        ensure_started()
+    end
+    return ok, err
+end
+
+
+function _M.is_active(handle)
+    return engine():is_active(handle)
+end
+
+
+function _M.state(handle)
+    return engine():state(handle)
+end
+
+
+function _M.handle(name)
+    return engine():handle(name)
+end
+
+
+function _M.running_count()
+    return eng and eng.running or 0
+end
+
+
+function _M.pending_count()
+    return eng and eng:pending_count() or 0
+end
+
+
+-- luacheck: push ignore 122
+
+-- replaces ngx.timer.at/every/running_count/pending_count in this Lua VM
+function _M.patch()
+    local t = ngx.timer
+    t.at = _M.at
+    t.every = _M.every
+    t.running_count = _M.running_count
+    t.pending_count = _M.pending_count
+    return true
+end
+
+
+function _M.unpatch()
+    local t = ngx.timer
+    t.at = native_at
+    t.every = native_every
+    t.running_count = native_running_count
+    t.pending_count = native_pending_count
+    return true
+end
+
+-- luacheck: pop
+
+
+-- statistics --------------------------------------------------------------
+
+
+local function pool_stats()
+    local busy = 0
+    for _, r in pairs(runners) do
+        if r.threads > 0 then
+            busy = busy + 1
+        end
+    end
+    local running = eng and eng.running or 0
+    return {
+        runners = {
+            alive = nrunners,
+            busy = busy,
+            idle = nrunners - busy,
+            max = cfg.max_runners,
+            started = counters.runners_started,
+            handovers = counters.handovers,
+            bound_hits = counters.runner_bound_hits,
+            start_failures = counters.start_failures,
+        },
+        threads = {
+            alive = threads,
+            busy = running,
+            idle = threads - running,
+            max = cfg.max_running,
+            spawned = counters.lanes_spawned,
+            bound_hits = counters.thread_bound_hits,
+        },
+    }
+end
+
+
+-- this worker's statistics; opts.raw keeps the histograms (for merging)
+function _M.stats(opts)
+    local raw = opts and opts.raw
+    local out = engine():stats(raw)
+    local pool = pool_stats()
+    out.runners = pool.runners
+    out.threads = pool.threads
+    out.worker = ngx.worker.id()
+    out.pid = ngx.worker.pid()
+    out.exiting = exiting
+    return out
+end
+
+
+local function get_bus()
+    local ok, events = pcall(require, "resty.loom.events")
+    if not ok or type(events) ~= "table" or not events.get then
+        return nil
+    end
+    local ok2, bus = pcall(events.get)
+    if ok2 then
+        return bus
+    end
+    return nil
+end
+
+
+-- registers the cross-worker collector with resty.loom.events (call in
+-- init_by_lua or init_worker_by_lua); returns true, or nil and an error
+function _M.register_collector()
+    local ok, events = pcall(require, "resty.loom.events")
+    if not ok or type(events) ~= "table"
+       or not events.register_collector
+    then
+        return nil, "resty.loom.events is not available"
+    end
+    local ok2, err = pcall(events.register_collector, COLLECTOR, function()
+        return _M.stats({ raw = true })
+    end)
+    if not ok2 then
+        return nil, "failed to register the collector: " .. tostring(err)
+    end
+    return true
+end
+
+
+local NUM_FIELDS = { "timers", "pending", "queued", "running", "paused",
+                     "capacity" }
+
+
+local function merge_workers(per)
+    local total = { totals = {}, sites = {}, names = {},
+                    runners = {}, threads = {} }
+    for _, f in ipairs(NUM_FIELDS) do
+        total[f] = 0
+    end
+    local sites, names = {}, {}
+    for _, w in pairs(per) do
+        for _, f in ipairs(NUM_FIELDS) do
+            total[f] = total[f] + (w[f] or 0)
+        end
+        for _, grp in ipairs({ "totals", "runners", "threads" }) do
+            for k, v in pairs(w[grp] or {}) do
+                if type(v) == "number" then
+                    total[grp][k] = (total[grp][k] or 0) + v
+                end
+            end
+        end
+        total.resolution = w.resolution
+        for k, rec in pairs(w.sites or {}) do
+            sites[k] = tstats.merge(sites[k], rec)
+        end
+        for k, rec in pairs(w.names or {}) do
+            names[k] = tstats.merge(names[k], rec)
+        end
+    end
+    for k, rec in pairs(sites) do
+        total.sites[k] = tstats.summary(rec)
+    end
+    for k, rec in pairs(names) do
+        total.names[k] = tstats.summary(rec)
+    end
+    return total, sites
+end
+
+
+local function summarize_worker(w)
+    local out = {}
+    for k, v in pairs(w) do
+        out[k] = v
+    end
+    out.sites, out.names = {}, {}
+    for k, rec in pairs(w.sites or {}) do
+        out.sites[k] = tstats.summary(rec)
+    end
+    for k, rec in pairs(w.names or {}) do
+        out.names[k] = tstats.summary(rec)
+    end
+    return out
+end
+
+
+-- statistics of every worker (through resty.loom.events when a bus
+-- exists, else this worker only): { workers = { [id] = stats }, total =
+-- merged stats, source = "events" | "local" }, plus the merged raw site
+-- records (for flame graphs) as a second value
+function _M.stats_all(timeout)
+    local per
+    local source = "local"
+    local bus = get_bus()
+    if bus then
+        local ok, res = pcall(bus.collect, bus, COLLECTOR, timeout or 2)
+        if ok and type(res) == "table" and next(res) then
+            per = res
+            source = "events"
+        end
+    end
+    if not per then
+        per = { [ngx.worker.id() or 0] = _M.stats({ raw = true }) }
+    end
+    local total, raw_sites = merge_workers(per)
+    local workers = {}
+    for id, w in pairs(per) do
+        workers[tostring(id)] = summarize_worker(w)
+    end
+    return { source = source, total = total, workers = workers }, raw_sites
+end
+
+
+-- folded stacks (flamegraph.pl / speedscope format) of where timer time
+-- goes: creation stack, then the callback, weighted by metric
+-- ("run_time" in microseconds, "runs", "pending" or "errors")
+function _M.folded(metric, sites)
+    metric = metric or "run_time"
+    local field = ({ run_time = "rt_sum", runs = "runs",
+                     pending = "pending", errors = "errors" })[metric]
+    if not field then
+        error("metric must be run_time, runs, pending or errors", 2)
+    end
+    if not sites then
+        local _
+        _, sites = _M.stats_all()
+    end
+    local lines = {}
+    for key, rec in pairs(sites) do
+        local v = floor((rec[field] or 0) + 0.5)
+        if v > 0 then
+            lines[#lines + 1] = (rec.stack or key) .. " " .. v
+        end
+    end
+    tbl_sort(lines)
+    return tbl_concat(lines, "\n") .. (#lines > 0 and "\n" or "")
+end
+
+
+-- content handlers for the gateway ---------------------------------------
+
+
+function _M.serve_json()
+    local cjson = require "cjson.safe"
+    local data = _M.stats_all(tonumber(ngx.var.arg_timeout) or 2)
+    if ngx.var.arg_stacks ~= "1" then
+        for _, s in pairs(data.total.sites) do
+            s.stack = nil
+        end
+        for _, w in pairs(data.workers) do
+            for _, s in pairs(w.sites) do
+                s.stack = nil
+            end
+            for _, s in pairs(w.names) do
+                s.stack = nil
+            end
+        end
+        for _, s in pairs(data.total.names) do
+            s.stack = nil
+        end
+    end
+    ngx.header["Content-Type"] = "application/json"
+    ngx.say(cjson.encode(data))
+end
+
+
+function _M.serve_flamegraph()
+    local flamegraph = require "resty.loom.flamegraph"
+    local metric = ngx.var.arg_metric or "run_time"
+    local ok, folded = pcall(_M.folded, metric)
+    if not ok then
+        ngx.status = 400
+        ngx.header["Content-Type"] = "text/plain"
+        ngx.say("bad metric: ", metric)
+        return
+    end
+    if ngx.var.arg_format == "folded" then
+        ngx.header["Content-Type"] = "text/plain"
+        ngx.print(folded)
+        return
+    end
+    ngx.header["Content-Type"] = "image/svg+xml"
+    ngx.print(flamegraph.svg(folded, {
+        title = "resty.loom.timer: " .. metric,
+        unit = metric == "run_time" and "us" or metric,
+    }))
+end
+
+
+return _M

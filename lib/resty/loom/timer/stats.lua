@@ -1,0 +1,278 @@
+-- Per creation site / per name timer statistics: counters plus three
+-- log-bucket histograms (run time, lateness, queue wait). Recording is O(1)
+-- with no allocation; histograms merge exactly across workers.
+
+
+local ffi = require "ffi"
+
+local ffi_new = ffi.new
+local floor = math.floor
+local log = math.log
+local pairs = pairs
+local ipairs = ipairs
+local type = type
+local tostring = tostring
+local tonumber = tonumber
+
+
+-- bucket 0 holds values under 1 us; bucket i >= 1 holds
+-- [GROWTH^(i-1), GROWTH^i) us; 1.2^120 us is about 3.3 days
+local NB = 120
+local GROWTH = 1.2
+local INV_LOG_G = 1 / log(GROWTH)
+local HIST = ffi.typeof("uint32_t[?]")
+
+
+local _M = { _VERSION = "0.1.0", BUCKETS = NB }
+
+
+local function bucket(us)
+    if us < 1 then
+        return 0
+    end
+    local i = floor(log(us) * INV_LOG_G) + 1
+    if i >= NB then
+        return NB - 1
+    end
+    return i
+end
+
+
+function _M.new_record(kind, key)
+    return {
+        kind = kind,              -- "site" or "name"
+        key = key,
+        stack = nil,              -- folded creation stack (sites)
+        created = 0,
+        pending = 0,
+        running = 0,
+        runs = 0,
+        errors = 0,
+        overruns = 0,
+        skipped = 0,
+        premature = 0,
+        rt_sum = 0,
+        rt_min = -1,
+        rt_max = 0,
+        late_max = 0,
+        qw_max = 0,
+        last_error = nil,
+        rt = ffi_new(HIST, NB),
+        late = ffi_new(HIST, NB),
+        qw = ffi_new(HIST, NB),
+    }
+end
+
+
+-- all values in microseconds
+function _M.record(rec, rt, late, qw)
+    rec.runs = rec.runs + 1
+    rec.rt_sum = rec.rt_sum + rt
+    if rt > rec.rt_max then
+        rec.rt_max = rt
+    end
+    if rec.rt_min < 0 or rt < rec.rt_min then
+        rec.rt_min = rt
+    end
+    local h = rec.rt
+    local i = bucket(rt)
+    h[i] = h[i] + 1
+    if late >= 0 then
+        if late > rec.late_max then
+            rec.late_max = late
+        end
+        h = rec.late
+        i = bucket(late)
+        h[i] = h[i] + 1
+    end
+    if qw > rec.qw_max then
+        rec.qw_max = qw
+    end
+    h = rec.qw
+    i = bucket(qw)
+    h[i] = h[i] + 1
+end
+
+
+-- q-th quantile (0 < q <= 1) of a histogram given as cdata or as a sparse
+-- Lua table { [bucket] = count }; upper bucket bound, capped by max
+local function quantile(h, total, q, max, sparse)
+    if total <= 0 then
+        return nil
+    end
+    local rank = q * total
+    local seen = 0
+    for i = 0, NB - 1 do
+        local c = h[i]
+        if sparse then
+            c = c or 0
+        end
+        seen = seen + c
+        if seen >= rank then
+            local upper = i == 0 and 1 or GROWTH ^ i
+            if upper > max then
+                upper = max
+            end
+            return upper
+        end
+    end
+    return max
+end
+_M.quantile = quantile
+
+
+local function hist_total(h, sparse)
+    local n = 0
+    if sparse then
+        for _, c in pairs(h) do
+            n = n + c
+        end
+        return n
+    end
+    for i = 0, NB - 1 do
+        n = n + h[i]
+    end
+    return n
+end
+
+
+local function sparse_copy(h)
+    local out = {}
+    for i = 0, NB - 1 do
+        local c = h[i]
+        if c > 0 then
+            out[i] = c
+        end
+    end
+    return out
+end
+
+
+-- a plain table of the raw figures (histograms as sparse tables keyed by
+-- bucket number, as strings so that JSON round trips keep them)
+function _M.raw(rec)
+    local function strkeys(t)
+        local o = {}
+        for k, v in pairs(t) do
+            o[tostring(k)] = v
+        end
+        return o
+    end
+    return {
+        kind = rec.kind, key = rec.key, stack = rec.stack,
+        created = rec.created, pending = rec.pending,
+        running = rec.running, runs = rec.runs, errors = rec.errors,
+        overruns = rec.overruns, skipped = rec.skipped,
+        premature = rec.premature, rt_sum = rec.rt_sum,
+        rt_min = rec.rt_min, rt_max = rec.rt_max,
+        late_max = rec.late_max, qw_max = rec.qw_max,
+        last_error = rec.last_error,
+        rt = strkeys(sparse_copy(rec.rt)),
+        late = strkeys(sparse_copy(rec.late)),
+        qw = strkeys(sparse_copy(rec.qw)),
+    }
+end
+
+
+local SUMS = { "created", "pending", "running", "runs", "errors",
+               "overruns", "skipped", "premature", "rt_sum" }
+
+-- merges raw records (from raw()) into one raw record
+function _M.merge(dst, src)
+    if not dst then
+        dst = { kind = src.kind, key = src.key, stack = src.stack,
+                rt_min = -1, rt_max = 0, late_max = 0, qw_max = 0,
+                rt = {}, late = {}, qw = {} }
+        for _, f in ipairs(SUMS) do
+            dst[f] = 0
+        end
+    end
+    for _, f in ipairs(SUMS) do
+        dst[f] = dst[f] + (src[f] or 0)
+    end
+    if src.rt_min and src.rt_min >= 0
+       and (dst.rt_min < 0 or src.rt_min < dst.rt_min)
+    then
+        dst.rt_min = src.rt_min
+    end
+    for _, f in ipairs({ "rt_max", "late_max", "qw_max" }) do
+        if (src[f] or 0) > dst[f] then
+            dst[f] = src[f]
+        end
+    end
+    dst.last_error = src.last_error or dst.last_error
+    for _, f in ipairs({ "rt", "late", "qw" }) do
+        local d = dst[f]
+        for k, c in pairs(src[f] or {}) do
+            d[k] = (d[k] or 0) + c
+        end
+    end
+    return dst
+end
+
+
+local function r6(us)
+    -- microseconds to seconds, rounded to the microsecond
+    if not us then
+        return nil
+    end
+    return floor(us + 0.5) / 1e6
+end
+
+
+local function summary_of(h, sparse, max)
+    local n = hist_total(h, sparse)
+    if n == 0 then
+        return { count = 0 }
+    end
+    return {
+        count = n,
+        p50 = r6(quantile(h, n, 0.5, max, sparse)),
+        p99 = r6(quantile(h, n, 0.99, max, sparse)),
+        max = r6(max),
+    }
+end
+
+
+-- the public shape (seconds) of a live record or of a raw one
+function _M.summary(rec)
+    local sparse = type(rec.rt) == "table"
+    local rt, late, qw = rec.rt, rec.late, rec.qw
+    if sparse then
+        local function numkeys(t)
+            local o = {}
+            for k, v in pairs(t) do
+                o[tonumber(k)] = v
+            end
+            return o
+        end
+        rt, late, qw = numkeys(rt), numkeys(late), numkeys(qw)
+    end
+    local n = rec.runs
+    local run_time = { count = n }
+    if n > 0 then
+        run_time.min = r6(rec.rt_min)
+        run_time.avg = r6(rec.rt_sum / n)
+        run_time.max = r6(rec.rt_max)
+        run_time.p99 = r6(quantile(rt, hist_total(rt, sparse), 0.99,
+                                   rec.rt_max, sparse))
+    end
+    return {
+        created = rec.created,
+        pending = rec.pending,
+        running = rec.running,
+        runs = n,
+        errors = rec.errors,
+        overruns = rec.overruns,
+        skipped = rec.skipped,
+        premature = rec.premature,
+        run_time = run_time,
+        lateness = summary_of(late, sparse, rec.late_max),
+        queue_wait = summary_of(qw, sparse, rec.qw_max),
+        last_error = rec.last_error,
+        stack = rec.stack,
+    }
+end
+
+
+return _M

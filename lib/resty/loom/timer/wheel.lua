@@ -1,0 +1,289 @@
+-- Hierarchical timing wheel over integer ticks (Varghese & Lauck scheme 7).
+--
+-- 6 levels of 64 slots; level k has a granularity of 64^k ticks, so the
+-- wheel spans 2^36 ticks (about 21 years at 10 ms, 2 years at 1 ms); later
+-- deadlines are parked in the top level and re-inserted until due.
+-- A timer sits in exactly one slot of a doubly-linked list whose links are
+-- kept in an FFI array indexed by timer id: insert and remove are O(1) and
+-- remove frees the slot at once. When the level-0 index wraps, the next
+-- level's current slot is cascaded down; each timer moves down at most once
+-- per level, so it expires exactly on its tick (never before it).
+-- Ids are small positive integers handed out by the caller (0 means none).
+
+
+local ffi = require "ffi"
+
+local ffi_new = ffi.new
+local ffi_copy = ffi.copy
+local ffi_sizeof = ffi.sizeof
+local floor = math.floor
+local ceil = math.ceil
+local setmetatable = setmetatable
+
+
+pcall(ffi.cdef, [[
+typedef struct {
+    double   tick;
+    int32_t  next;
+    int32_t  prev;
+    int32_t  slot;
+    int32_t  pad;
+} loom_timer_wnode_t;
+]])
+
+
+local NODES = ffi.typeof("loom_timer_wnode_t[?]")
+local NODE_SIZE = ffi_sizeof("loom_timer_wnode_t")
+local LEVELS = 6
+local SLOTS = 64
+local SPAN = {}           -- SPAN[k] = 64^k: granularity of level k
+for k = 0, LEVELS do
+    SPAN[k] = SLOTS ^ k
+end
+local TOP = SPAN[LEVELS] - 1
+
+
+local _M = { _VERSION = "0.1.0", LEVELS = LEVELS, SLOTS = SLOTS }
+local mt = { __index = _M }
+
+
+-- now: the first tick not yet processed; cap: initial id capacity
+function _M.new(now, cap)
+    cap = cap or 1024
+    local nodes = ffi_new(NODES, cap + 1)
+    local self = {
+        nodes = nodes,
+        cap = cap,
+        head = ffi_new("int32_t[?]", LEVELS * SLOTS),
+        cnt = { [0] = 0, 0, 0, 0, 0, 0 },
+        now = now or 0,
+        count = 0,
+    }
+    for i = 0, cap do
+        nodes[i].slot = -1
+    end
+    return setmetatable(self, mt)
+end
+
+
+-- makes room for ids up to cap (keeps the links)
+function _M.grow(self, cap)
+    if cap <= self.cap then
+        return
+    end
+    local nodes = ffi_new(NODES, cap + 1)
+    ffi_copy(nodes, self.nodes, (self.cap + 1) * NODE_SIZE)
+    for i = self.cap + 1, cap do
+        nodes[i].slot = -1
+    end
+    self.nodes = nodes
+    self.cap = cap
+end
+
+
+local function link(self, id, tick)
+    local nodes = self.nodes
+    local nd = nodes[id]
+    local tj = self.now
+    local d = tick - tj
+    local lvl, idx
+    if d < SLOTS then
+        if d < 0 then
+            idx = tj % SLOTS                -- overdue: the next tick
+        else
+            idx = tick % SLOTS
+        end
+        lvl = 0
+
+    else
+        lvl = 1
+        while lvl < LEVELS - 1 and d >= SPAN[lvl + 1] do
+            lvl = lvl + 1
+        end
+        local t = tick
+        if d > TOP then
+            t = tj + TOP                    -- parked; re-inserted on cascade
+        end
+        idx = floor(t / SPAN[lvl]) % SLOTS
+    end
+
+    local slot = lvl * SLOTS + idx
+    local head = self.head
+    local h = head[slot]
+    nd.next = h
+    nd.prev = 0
+    nd.slot = slot
+    if h ~= 0 then
+        nodes[h].prev = id
+    end
+    head[slot] = id
+    local cnt = self.cnt
+    cnt[lvl] = cnt[lvl] + 1
+end
+
+
+function _M.insert(self, id, tick)
+    self.nodes[id].tick = tick
+    self.count = self.count + 1
+    link(self, id, tick)
+end
+
+
+-- unlinks id; returns false when it was not in the wheel
+function _M.remove(self, id)
+    local nodes = self.nodes
+    local nd = nodes[id]
+    local slot = nd.slot
+    if slot < 0 then
+        return false
+    end
+    local nx, pv = nd.next, nd.prev
+    if pv ~= 0 then
+        nodes[pv].next = nx
+    else
+        self.head[slot] = nx
+    end
+    if nx ~= 0 then
+        nodes[nx].prev = pv
+    end
+    nd.slot = -1
+    local lvl = floor(slot / SLOTS)
+    local cnt = self.cnt
+    cnt[lvl] = cnt[lvl] - 1
+    self.count = self.count - 1
+    return true
+end
+
+
+function _M.contains(self, id)
+    return self.nodes[id].slot >= 0
+end
+
+
+function _M.tick_of(self, id)
+    return self.nodes[id].tick
+end
+
+
+-- moves the timers of one slot (level >= 1) down the wheel
+local function cascade(self, lvl, idx)
+    local slot = lvl * SLOTS + idx
+    local head = self.head
+    local id = head[slot]
+    if id == 0 then
+        return
+    end
+    head[slot] = 0
+    local nodes = self.nodes
+    local cnt = self.cnt
+    while id ~= 0 do
+        local nd = nodes[id]
+        local nx = nd.next
+        cnt[lvl] = cnt[lvl] - 1
+        link(self, id, nd.tick)
+        id = nx
+    end
+end
+
+
+-- processes every tick up to and including target: calls
+-- on_expire(ctx, id) for each timer due (the timer is out of the wheel by
+-- then, so the callback may insert it again)
+function _M.advance(self, target, on_expire, ctx)
+    local head = self.head
+    local cnt = self.cnt
+    local tj = self.now
+    while tj <= target do
+        self.now = tj
+        local i0 = tj % SLOTS
+        if i0 == 0 then
+            for lvl = 1, LEVELS - 1 do
+                local idx = floor(tj / SPAN[lvl]) % SLOTS
+                cascade(self, lvl, idx)
+                if idx ~= 0 then
+                    break
+                end
+            end
+        end
+
+        local id = head[i0]
+        if id ~= 0 then
+            head[i0] = 0
+            self.now = tj + 1
+            local nodes = self.nodes
+            while id ~= 0 do
+                local nd = nodes[id]
+                local nx = nd.next
+                nd.slot = -1
+                cnt[0] = cnt[0] - 1
+                if nd.tick > tj then
+                    link(self, id, nd.tick)  -- parked beyond the top level
+                else
+                    self.count = self.count - 1
+                    on_expire(ctx, id)
+                end
+                id = nx
+                nodes = self.nodes           -- on_expire may have grown it
+            end
+        end
+        tj = tj + 1
+
+        if cnt[0] == 0 then
+            -- nothing at level 0: jump to the next cascade that has work
+            local lvl = 1
+            while lvl < LEVELS and cnt[lvl] == 0 do
+                lvl = lvl + 1
+            end
+            local span = SPAN[lvl]
+            local nxt = ceil(tj / span) * span
+            if nxt > target + 1 then
+                nxt = target + 1
+            end
+            if nxt > tj then
+                tj = nxt
+            end
+        end
+    end
+    if self.now < tj then
+        self.now = tj
+    end
+end
+
+
+-- the first tick at which advance() has work (an expiry or a cascade that
+-- moves timers), or nil when the wheel is empty
+function _M.next_tick(self)
+    local head = self.head
+    local cnt = self.cnt
+    local tj = self.now
+    local best
+    if cnt[0] > 0 then
+        for j = 0, SLOTS - 1 do
+            local t = tj + j
+            if head[t % SLOTS] ~= 0 then
+                best = t
+                break
+            end
+        end
+    end
+    for lvl = 1, LEVELS - 1 do
+        if cnt[lvl] > 0 then
+            local span = SPAN[lvl]
+            local b = ceil(tj / span)
+            local base = lvl * SLOTS
+            for j = 0, SLOTS - 1 do
+                if head[base + (b + j) % SLOTS] ~= 0 then
+                    local t = (b + j) * span
+                    if not best or t < best then
+                        best = t
+                    end
+                    break
+                end
+            end
+        end
+    end
+    return best
+end
+
+
+return _M

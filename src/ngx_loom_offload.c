@@ -1,0 +1,1763 @@
+
+/*
+ * Copyright (C) resty-loom authors
+ *
+ * resty.loom.offload, the nginx side: per-worker bounded task queues that
+ * offload runtimes (include/loom_offload.h) take tasks from on their own
+ * threads, and a completion channel back to the event loop.
+ *
+ *   - Lua submits a task (ngx_loom_offload_ffi_submit) and waits on a
+ *     semaphore this module creates with lua-nginx-module's public FFI
+ *     functions (ngx_http_lua_ffi_sema_*, resolved with dlsym).
+ *   - Runtime threads take tasks with host->wait() (a mutex and condition
+ *     variable, with a short spin first so that a busy runtime thread
+ *     picks the next task up without a futex wake-up) and answer from any
+ *     thread with host->answer(), which puts the task on the worker's
+ *     completion list and writes the worker's eventfd once per batch.
+ *   - The eventfd sits in the nginx event loop on a connection of its
+ *     own; its read handler drains the completion list and posts the
+ *     semaphores on the main thread. The connection is marked idle, so
+ *     that nginx tells us when a graceful shutdown begins: each runtime
+ *     then gets its grace period, after which waiting calls get "closed".
+ *   - Each task is owned by up to two parties: Lua (until the call
+ *     returns, times out, or its request goes away) and the runtime (from
+ *     submission until the answer reaches the main thread). It is freed
+ *     when neither holds it, so late answers are dropped, never delivered
+ *     to another call.
+ *   - Runtimes are dlopen()ed and initialised on a start-up thread with
+ *     all signals blocked, never on the event loop; at worker exit they
+ *     are shut down on helper threads with a bounded wait.
+ */
+
+
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+
+#include "ngx_loom.h"
+#include <ngx_event.h>
+#include <ngx_http.h>
+#include <dlfcn.h>
+#include <pthread.h>
+#include <signal.h>
+#include <sys/eventfd.h>
+#include <loom_offload.h>
+
+
+#define LOOM_OFFLOAD_STARTING        0
+#define LOOM_OFFLOAD_READY           1
+#define LOOM_OFFLOAD_FAILED          2
+#define LOOM_OFFLOAD_CLOSING         3
+
+/* where a task is, guarded by the queue mutex */
+#define LOOM_WHERE_NONE              0
+#define LOOM_WHERE_PENDING           1
+#define LOOM_WHERE_TAKEN             2
+
+/* results seen by Lua (ngx_loom_offload_ffi_result) */
+#define LOOM_RESULT_OK               0
+#define LOOM_RESULT_ERROR            1
+#define LOOM_RESULT_CLOSED           2
+#define LOOM_RESULT_NOMEM            3
+
+/* the event loop polling for an answer (ngx_loom_offload_ffi_poll) */
+#define LOOM_FAST_NONE               0
+#define LOOM_FAST_POLLING            1
+#define LOOM_FAST_ANSWERED           2
+
+/* answer status used internally when the response copy failed */
+#define LOOM_STATUS_NOMEM            (-1)
+
+/* latency histogram: 8 sub-buckets per power of two, in microseconds */
+#define LOOM_HIST_SUB_BITS           3
+#define LOOM_HIST_SUB                (1 << LOOM_HIST_SUB_BITS)
+#define LOOM_HIST_BUCKETS            (LOOM_HIST_SUB * 40)
+
+#define LOOM_MIN_INLINE_RSP          256
+#define LOOM_ERR_LEN                 512
+
+
+typedef int (*ngx_loom_sema_new_pt)(void **psem, int n, char **errmsg);
+typedef int (*ngx_loom_sema_post_pt)(void *sem, int n);
+typedef void (*ngx_loom_sema_gc_pt)(void *sem);
+
+
+typedef struct {
+    ngx_queue_t                  tasks;
+} ngx_loom_offload_rctx_t;
+
+
+struct loom_offload_task_s {
+    ngx_queue_t                  pending;      /* queue mutex */
+    loom_offload_task_t         *next;         /* completion / garbage */
+    ngx_queue_t                  live;         /* main thread */
+    ngx_queue_t                  rlink;        /* main thread */
+    loom_offload_queue_t        *queue;
+    void                        *sem;
+    uint64_t                     start_us;
+
+    /* written by the answering thread before it publishes the task */
+    u_char                      *rsp;
+    size_t                       rsp_len;
+    int                          status;
+    int                          rsp_heap;
+
+    int                          cancelled;    /* atomic */
+    int                          fast;         /* atomic, LOOM_FAST_* */
+    int                          where;        /* queue mutex */
+    int                          result;       /* main thread */
+
+    /* main thread only */
+    unsigned                     lua:1;
+    unsigned                     rt:1;
+    unsigned                     resolved:1;
+    unsigned                     in_request:1;
+    unsigned                     control:1;
+    unsigned                     garbage:1;
+
+    size_t                       req_len;
+    size_t                       cap;
+    u_char                       data[1];
+};
+
+
+struct loom_offload_queue_s {
+    pthread_mutex_t              mtx;
+    pthread_cond_t               cond;
+    ngx_queue_t                  pending;
+    ngx_uint_t                   npending;     /* atomic reads */
+    ngx_uint_t                   taken;        /* atomic reads */
+    ngx_uint_t                   spinners;
+    ngx_uint_t                   sleepers;
+    ngx_uint_t                   closed;       /* atomic reads */
+    ngx_uint_t                   bound;
+    uint64_t                     spin_ns;
+
+    /* main thread */
+    uint64_t                     poll_ns;
+    uint64_t                     ewma_ns;      /* recent round trips */
+    uint64_t                     polled;
+    uint64_t                     polled_hits;
+    uint64_t                     peak_queued;
+    ngx_queue_t                  link;
+    ngx_queue_t                  live;
+    int                          state;
+    int                          started;      /* init() returned 0 */
+    char                        *path;
+    char                        *config;
+    size_t                       config_len;
+    unsigned                     threads;
+    ngx_msec_t                   grace;
+    int                          global;
+    ngx_event_t                  grace_ev;
+
+    /* written by the start-up thread before it publishes "control" */
+    void                        *dl;
+    void                        *instance;
+    loom_offload_shutdown_pt     shutdown;
+    int                          start_rc;
+    char                         err[LOOM_ERR_LEN];
+
+    /* shutdown helper; guarded by ngx_loom_offload_exit_mtx */
+    int                          shut_done;
+
+    /* statistics, main thread */
+    uint64_t                     submitted;
+    uint64_t                     answered;
+    uint64_t                     completed;
+    uint64_t                     errors;
+    uint64_t                     timeouts;
+    uint64_t                     rejected;
+    uint64_t                     closed_calls;
+    uint64_t                     aborted;
+    uint64_t                     late;
+    uint64_t                     lat_n;
+    uint64_t                     lat_sum;
+    uint64_t                     lat_max;
+    uint64_t                     hist[LOOM_HIST_BUCKETS];
+
+    loom_offload_task_t          control;
+};
+
+
+typedef struct {
+    double                       state;
+    double                       threads;
+    double                       queued;
+    double                       running;
+    double                       submitted;
+    double                       completed;
+    double                       errors;
+    double                       timeouts;
+    double                       rejected;
+    double                       closed;
+    double                       aborted;
+    double                       late;
+    double                       lat_n;
+    double                       lat_mean;
+    double                       lat_max;
+    double                       p50;
+    double                       p90;
+    double                       p99;
+    double                       p999;
+    double                       polled;
+    double                       polled_hits;
+    double                       peak_queued;
+} ngx_loom_offload_stats_t;
+
+
+typedef struct {
+    pthread_mutex_t              lock;
+    loom_offload_task_t         *done;
+    ngx_uint_t                   notified;
+    int                          fd;
+
+    /* main thread */
+    ngx_uint_t                   inited;
+    ngx_uint_t                   exiting;
+    ngx_connection_t            *conn;
+    ngx_queue_t                  queues;
+    loom_offload_task_t         *garbage;
+    ngx_event_t                  gc_event;
+    ngx_loom_sema_new_pt         sema_new;
+    ngx_loom_sema_post_pt        sema_post;
+    ngx_loom_sema_gc_pt          sema_gc;
+} ngx_loom_offload_worker_t;
+
+
+static void ngx_loom_offload_exit_process(ngx_cycle_t *cycle);
+static ngx_int_t ngx_loom_offload_worker_init(u_char *err, size_t *errlen);
+static void ngx_loom_offload_read_handler(ngx_event_t *rev);
+static void ngx_loom_offload_gc_handler(ngx_event_t *ev);
+static void ngx_loom_offload_grace_handler(ngx_event_t *ev);
+static void ngx_loom_offload_exiting(ngx_uint_t now);
+static void ngx_loom_offload_close(loom_offload_queue_t *q);
+static void ngx_loom_offload_done(loom_offload_task_t *t);
+static void ngx_loom_offload_started(loom_offload_queue_t *q);
+static void ngx_loom_offload_resolve(loom_offload_task_t *t, int result);
+static void ngx_loom_offload_task_free(loom_offload_task_t *t);
+static void ngx_loom_offload_unpend(loom_offload_task_t *t);
+static void ngx_loom_offload_request_cleanup(void *data);
+static void ngx_loom_offload_publish(loom_offload_task_t *t);
+static void *ngx_loom_offload_start_thread(void *data);
+static void *ngx_loom_offload_shutdown_thread(void *data);
+static int ngx_loom_offload_spawn(void *(*fn)(void *), void *data);
+static uint64_t ngx_loom_offload_now_ns(void);
+static ngx_uint_t ngx_loom_offload_hist_index(uint64_t us);
+static double ngx_loom_offload_hist_value(ngx_uint_t i);
+
+/* the host table handed to runtimes */
+static int ngx_loom_offload_wait(loom_offload_queue_t *q, int timeout_ms,
+    loom_offload_task_t **task);
+static const unsigned char *ngx_loom_offload_request(
+    loom_offload_task_t *t, size_t *len);
+static int ngx_loom_offload_cancelled(loom_offload_task_t *t);
+static int ngx_loom_offload_answer(loom_offload_task_t *t, int status,
+    const void *data, size_t len);
+static void ngx_loom_offload_log(loom_offload_queue_t *q, int level,
+    const char *msg, size_t len);
+
+/* FFI entry points */
+int ngx_loom_offload_ffi_load(const char *path, const char *config,
+    size_t config_len, int threads, int bound, int grace_ms, int spin_us,
+    int poll_us, int global, loom_offload_queue_t **out, u_char *err,
+    size_t *errlen);
+int ngx_loom_offload_ffi_poll(loom_offload_task_t *t);
+int ngx_loom_offload_ffi_submit(ngx_http_request_t *r,
+    loom_offload_queue_t *q, const u_char *data, size_t len,
+    loom_offload_task_t **out, void **sem);
+int ngx_loom_offload_ffi_result(loom_offload_task_t *t, u_char **data,
+    size_t *len);
+void ngx_loom_offload_ffi_release(loom_offload_task_t *t);
+int ngx_loom_offload_ffi_cancel(loom_offload_task_t *t);
+int ngx_loom_offload_ffi_state(loom_offload_queue_t *q, char **err);
+void ngx_loom_offload_ffi_stats(loom_offload_queue_t *q,
+    ngx_loom_offload_stats_t *st);
+int ngx_loom_offload_ffi_close(loom_offload_queue_t *q);
+
+
+static ngx_http_module_t  ngx_loom_offload_module_ctx = {
+    NULL,                              /* preconfiguration */
+    NULL,                              /* postconfiguration */
+    NULL,                              /* create main configuration */
+    NULL,                              /* init main configuration */
+    NULL,                              /* create server configuration */
+    NULL,                              /* merge server configuration */
+    NULL,                              /* create location configuration */
+    NULL                               /* merge location configuration */
+};
+
+
+ngx_module_t  ngx_loom_offload_module = {
+    NGX_MODULE_V1,
+    &ngx_loom_offload_module_ctx,      /* module context */
+    NULL,                              /* module directives */
+    NGX_HTTP_MODULE,                   /* module type */
+    NULL,                              /* init master */
+    NULL,                              /* init module */
+    NULL,                              /* init process */
+    NULL,                              /* init thread */
+    NULL,                              /* exit thread */
+    ngx_loom_offload_exit_process,     /* exit process */
+    NULL,                              /* exit master */
+    NGX_MODULE_V1_PADDING
+};
+
+
+static const loom_offload_host_t  ngx_loom_offload_host = {
+    LOOM_OFFLOAD_ABI_VERSION,
+    sizeof(loom_offload_host_t),
+    ngx_loom_offload_wait,
+    ngx_loom_offload_request,
+    ngx_loom_offload_cancelled,
+    ngx_loom_offload_answer,
+    ngx_loom_offload_log
+};
+
+
+static ngx_loom_offload_worker_t  ngx_loom_offload_w = {
+    PTHREAD_MUTEX_INITIALIZER, NULL, 0, -1,
+    0, 0, NULL, { NULL, NULL }, NULL,
+    { 0 }, NULL, NULL, NULL
+};
+
+static pthread_mutex_t  ngx_loom_offload_exit_mtx = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t   ngx_loom_offload_exit_cond = PTHREAD_COND_INITIALIZER;
+
+
+#if (defined __x86_64__ || defined __i386__)
+#define ngx_loom_cpu_relax()  __builtin_ia32_pause()
+#elif (defined __aarch64__)
+#define ngx_loom_cpu_relax()  __asm__ __volatile__ ("yield" ::: "memory")
+#else
+#define ngx_loom_cpu_relax()
+#endif
+
+#define ngx_loom_load(p)      __atomic_load_n(p, __ATOMIC_ACQUIRE)
+#define ngx_loom_store(p, v)  __atomic_store_n(p, v, __ATOMIC_RELEASE)
+
+
+static uint64_t
+ngx_loom_offload_now_ns(void)
+{
+    struct timespec  ts;
+
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+
+    return (uint64_t) ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+
+/* {{{ the host table */
+
+static int
+ngx_loom_offload_wait(loom_offload_queue_t *q, int timeout_ms,
+    loom_offload_task_t **task)
+{
+    int                   rc;
+    uint64_t              deadline, now;
+    ngx_uint_t            n;
+    ngx_queue_t          *x;
+    struct timespec       ts;
+    loom_offload_task_t  *t;
+
+    *task = NULL;
+
+    pthread_mutex_lock(&q->mtx);
+
+    if (ngx_queue_empty(&q->pending) && !q->closed && q->spin_ns
+        && q->spinners == 0 && timeout_ms != 0)
+    {
+        /*
+         * spin a little before sleeping: a thread that has just answered
+         * usually gets the next task within microseconds under load, and
+         * taking it without a futex wake-up saves a cross-CPU round trip;
+         * one spinner per queue is enough, the others sleep
+         */
+
+        q->spinners++;
+        pthread_mutex_unlock(&q->mtx);
+
+        deadline = ngx_loom_offload_now_ns() + q->spin_ns;
+
+        for (n = 1; ngx_loom_load(&q->npending) == 0
+                    && !ngx_loom_load(&q->closed); n++)
+        {
+            ngx_loom_cpu_relax();
+
+            if ((n & 63) == 0 && ngx_loom_offload_now_ns() >= deadline) {
+                break;
+            }
+        }
+
+        pthread_mutex_lock(&q->mtx);
+        q->spinners--;
+    }
+
+    deadline = 0;
+
+    if (timeout_ms > 0) {
+        now = ngx_loom_offload_now_ns();
+        deadline = now + (uint64_t) timeout_ms * 1000000;
+        ts.tv_sec = deadline / 1000000000;
+        ts.tv_nsec = deadline % 1000000000;
+    }
+
+    while (ngx_queue_empty(&q->pending)) {
+
+        if (q->closed) {
+            pthread_mutex_unlock(&q->mtx);
+            return LOOM_OFFLOAD_CLOSED;
+        }
+
+        if (timeout_ms == 0) {
+            pthread_mutex_unlock(&q->mtx);
+            return LOOM_OFFLOAD_TIMEDOUT;
+        }
+
+        q->sleepers++;
+
+        if (timeout_ms < 0) {
+            rc = pthread_cond_wait(&q->cond, &q->mtx);
+
+        } else {
+            rc = pthread_cond_timedwait(&q->cond, &q->mtx, &ts);
+        }
+
+        q->sleepers--;
+
+        if (rc == ETIMEDOUT && ngx_queue_empty(&q->pending)) {
+            rc = q->closed ? LOOM_OFFLOAD_CLOSED : LOOM_OFFLOAD_TIMEDOUT;
+            pthread_mutex_unlock(&q->mtx);
+            return rc;
+        }
+    }
+
+    x = ngx_queue_head(&q->pending);
+    ngx_queue_remove(x);
+
+    t = ngx_queue_data(x, loom_offload_task_t, pending);
+    t->where = LOOM_WHERE_TAKEN;
+
+    ngx_loom_store(&q->npending, q->npending - 1);
+    ngx_loom_store(&q->taken, q->taken + 1);
+
+    pthread_mutex_unlock(&q->mtx);
+
+    *task = t;
+
+    return LOOM_OFFLOAD_TASK;
+}
+
+
+static const unsigned char *
+ngx_loom_offload_request(loom_offload_task_t *t, size_t *len)
+{
+    if (len) {
+        *len = t->req_len;
+    }
+
+    return t->data;
+}
+
+
+static int
+ngx_loom_offload_cancelled(loom_offload_task_t *t)
+{
+    return ngx_loom_load(&t->cancelled) != 0;
+}
+
+
+static int
+ngx_loom_offload_answer(loom_offload_task_t *t, int status,
+    const void *data, size_t len)
+{
+    int      rc;
+    u_char  *p;
+
+    rc = 0;
+
+    if (status != LOOM_OFFLOAD_OK) {
+        status = LOOM_OFFLOAD_ERROR;
+    }
+
+    if (data == NULL) {
+        len = 0;
+    }
+
+    if (ngx_loom_load(&t->cancelled)) {
+        /* nobody waits: do not copy */
+        t->rsp = NULL;
+        len = 0;
+
+    } else if (len < t->cap) {
+        /* the request bytes are not needed any more: reuse their room */
+        if (len) {
+            memmove(t->data, data, len);
+        }
+
+        t->rsp = t->data;
+
+    } else {
+        p = malloc(len);
+
+        if (p == NULL) {
+            status = LOOM_STATUS_NOMEM;
+            len = 0;
+            rc = -1;
+
+        } else {
+            memcpy(p, data, len);
+            t->rsp_heap = 1;
+        }
+
+        t->rsp = p;
+    }
+
+    t->rsp_len = len;
+    t->status = status;
+
+    if (ngx_loom_load(&t->fast) == LOOM_FAST_POLLING) {
+        int  polling = LOOM_FAST_POLLING;
+
+        /* the event loop is polling for this very answer: hand it over */
+        if (__atomic_compare_exchange_n(&t->fast, &polling,
+                                        LOOM_FAST_ANSWERED, 0,
+                                        __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+        {
+            return rc;
+        }
+    }
+
+    ngx_loom_offload_publish(t);
+
+    return rc;
+}
+
+
+static void
+ngx_loom_offload_log(loom_offload_queue_t *q, int level, const char *msg,
+    size_t len)
+{
+    if (level < NGX_LOG_EMERG) {
+        level = NGX_LOG_ERR;
+
+    } else if (level > NGX_LOG_DEBUG) {
+        level = NGX_LOG_DEBUG;
+    }
+
+    if (msg == NULL) {
+        len = 0;
+    }
+
+    ngx_log_error((ngx_uint_t) level, ngx_cycle->log, 0,
+                  "[loom.offload] %s: %*s", q->path, len, msg);
+}
+
+/* }}} */
+
+
+/* hands a finished task (or a start-up result) to the event loop */
+static void
+ngx_loom_offload_publish(loom_offload_task_t *t)
+{
+    uint64_t                    one;
+    ngx_loom_offload_worker_t  *w;
+
+    w = &ngx_loom_offload_w;
+
+    pthread_mutex_lock(&w->lock);
+
+    t->next = w->done;
+    w->done = t;
+
+    if (!w->notified && w->fd != -1) {
+        w->notified = 1;
+        one = 1;
+
+        /* under the lock: exit_process closes fd under it too */
+        if (write(w->fd, &one, sizeof(uint64_t)) != sizeof(uint64_t)) {
+            w->notified = 0;
+        }
+    }
+
+    pthread_mutex_unlock(&w->lock);
+}
+
+
+static ngx_int_t
+ngx_loom_offload_worker_init(u_char *err, size_t *errlen)
+{
+    int                         fd;
+    ngx_connection_t           *c;
+    ngx_loom_offload_worker_t  *w;
+
+    w = &ngx_loom_offload_w;
+
+    if (w->inited) {
+        return NGX_OK;
+    }
+
+    w->sema_new = (ngx_loom_sema_new_pt)
+                  dlsym(RTLD_DEFAULT, "ngx_http_lua_ffi_sema_new");
+    w->sema_post = (ngx_loom_sema_post_pt)
+                   dlsym(RTLD_DEFAULT, "ngx_http_lua_ffi_sema_post");
+    w->sema_gc = (ngx_loom_sema_gc_pt)
+                 dlsym(RTLD_DEFAULT, "ngx_http_lua_ffi_sema_gc");
+
+    if (w->sema_new == NULL || w->sema_post == NULL || w->sema_gc == NULL) {
+        *errlen = ngx_snprintf(err, *errlen,
+                               "ngx_http_lua_ffi_sema_* not found")
+                  - err;
+        return NGX_ERROR;
+    }
+
+    fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (fd == -1) {
+        *errlen = ngx_snprintf(err, *errlen, "eventfd() failed: %d",
+                               ngx_errno)
+                  - err;
+        return NGX_ERROR;
+    }
+
+    c = ngx_get_connection(fd, ngx_cycle->log);
+    if (c == NULL) {
+        close(fd);
+        *errlen = ngx_snprintf(err, *errlen, "no free connection") - err;
+        return NGX_ERROR;
+    }
+
+    c->read->handler = ngx_loom_offload_read_handler;
+    c->read->log = ngx_cycle->log;
+    c->write->log = ngx_cycle->log;
+
+    /* nginx calls the read handler with c->close set at graceful exit */
+    c->idle = 1;
+
+    if (ngx_add_event(c->read, NGX_READ_EVENT, 0) != NGX_OK) {
+        ngx_free_connection(c);
+        close(fd);
+        *errlen = ngx_snprintf(err, *errlen, "failed to add the eventfd")
+                  - err;
+        return NGX_ERROR;
+    }
+
+    w->conn = c;
+
+    pthread_mutex_lock(&w->lock);
+    w->fd = fd;
+    pthread_mutex_unlock(&w->lock);
+
+    ngx_queue_init(&w->queues);
+
+    w->gc_event.handler = ngx_loom_offload_gc_handler;
+    w->gc_event.log = ngx_cycle->log;
+    w->gc_event.data = w;
+
+    w->exiting = ngx_exiting;
+    w->inited = 1;
+
+    return NGX_OK;
+}
+
+
+static void
+ngx_loom_offload_read_handler(ngx_event_t *rev)
+{
+    uint64_t                    v;
+    ngx_connection_t           *c;
+    loom_offload_task_t        *t, *next, *list;
+    ngx_loom_offload_worker_t  *w;
+
+    w = &ngx_loom_offload_w;
+    c = rev->data;
+
+    if (c->close) {
+        /* graceful shutdown began, or the shutdown timer fired */
+        c->close = 0;
+        c->idle = 0;
+
+        ngx_loom_offload_exiting(c->error);
+        c->error = 0;
+    }
+
+    if (read(w->fd, &v, sizeof(uint64_t)) == -1 && ngx_errno != NGX_EAGAIN) {
+        ngx_log_error(NGX_LOG_ALERT, rev->log, ngx_errno,
+                      "[loom.offload] eventfd read() failed");
+    }
+
+    pthread_mutex_lock(&w->lock);
+    list = w->done;
+    w->done = NULL;
+    w->notified = 0;
+    pthread_mutex_unlock(&w->lock);
+
+    /* the list is newest first: reverse it */
+    t = NULL;
+
+    while (list) {
+        next = list->next;
+        list->next = t;
+        t = list;
+        list = next;
+    }
+
+    while (t) {
+        next = t->next;
+
+        if (t->control) {
+            ngx_loom_offload_started(t->queue);
+
+        } else {
+            ngx_loom_offload_done(t);
+        }
+
+        t = next;
+    }
+}
+
+
+static void
+ngx_loom_offload_gc_handler(ngx_event_t *ev)
+{
+    loom_offload_task_t        *t, *next;
+    ngx_loom_offload_worker_t  *w;
+
+    w = ev->data;
+
+    t = w->garbage;
+    w->garbage = NULL;
+
+    while (t) {
+        next = t->next;
+        ngx_loom_offload_task_free(t);
+        t = next;
+    }
+}
+
+
+/* an answer reached the main thread */
+static void
+ngx_loom_offload_done(loom_offload_task_t *t)
+{
+    loom_offload_queue_t  *q;
+
+    q = t->queue;
+
+    t->where = LOOM_WHERE_NONE;
+    t->rt = 0;
+    q->answered++;
+
+    if (t->lua && !t->resolved) {
+
+        if (t->status == LOOM_OFFLOAD_OK) {
+            ngx_loom_offload_resolve(t, LOOM_RESULT_OK);
+
+        } else if (t->status == LOOM_STATUS_NOMEM) {
+            ngx_loom_offload_resolve(t, LOOM_RESULT_NOMEM);
+
+        } else {
+            ngx_loom_offload_resolve(t, LOOM_RESULT_ERROR);
+        }
+
+    } else {
+        q->late++;
+    }
+
+    if (!t->lua) {
+        ngx_loom_offload_task_free(t);
+    }
+}
+
+
+static void
+ngx_loom_offload_resolve(loom_offload_task_t *t, int result)
+{
+    uint64_t               us;
+    loom_offload_queue_t  *q;
+
+    q = t->queue;
+
+    t->result = result;
+    t->resolved = 1;
+
+    switch (result) {
+
+    case LOOM_RESULT_OK:
+        q->completed++;
+        break;
+
+    case LOOM_RESULT_CLOSED:
+        q->closed_calls++;
+        break;
+
+    default:
+        q->errors++;
+        break;
+    }
+
+    if (result != LOOM_RESULT_CLOSED) {
+        us = (ngx_loom_offload_now_ns() / 1000) - t->start_us;
+
+        q->lat_n++;
+        q->lat_sum += us;
+
+        if (us > q->lat_max) {
+            q->lat_max = us;
+        }
+
+        q->hist[ngx_loom_offload_hist_index(us)]++;
+
+        q->ewma_ns = q->ewma_ns - q->ewma_ns / 8 + us * 1000 / 8;
+    }
+
+    if (t->sem) {
+        (void) ngx_loom_offload_w.sema_post(t->sem, 1);
+    }
+}
+
+
+static void
+ngx_loom_offload_task_free(loom_offload_task_t *t)
+{
+    ngx_queue_remove(&t->live);
+
+    if (t->in_request) {
+        ngx_queue_remove(&t->rlink);
+    }
+
+    if (t->sem) {
+        ngx_loom_offload_w.sema_gc(t->sem);
+    }
+
+    if (t->rsp_heap) {
+        free(t->rsp);
+    }
+
+    free(t);
+}
+
+
+/* takes a task off its queue if no runtime thread has taken it yet */
+static void
+ngx_loom_offload_unpend(loom_offload_task_t *t)
+{
+    loom_offload_queue_t  *q;
+
+    q = t->queue;
+
+    if (!t->rt) {
+        return;
+    }
+
+    pthread_mutex_lock(&q->mtx);
+
+    if (t->where == LOOM_WHERE_PENDING) {
+        ngx_queue_remove(&t->pending);
+        t->where = LOOM_WHERE_NONE;
+        ngx_loom_store(&q->npending, q->npending - 1);
+        t->rt = 0;
+    }
+
+    pthread_mutex_unlock(&q->mtx);
+}
+
+
+static void
+ngx_loom_offload_request_cleanup(void *data)
+{
+    ngx_loom_offload_rctx_t  *rctx = data;
+
+    ngx_queue_t                *x;
+    loom_offload_task_t        *t;
+    ngx_loom_offload_worker_t  *w;
+
+    w = &ngx_loom_offload_w;
+
+    while (!ngx_queue_empty(&rctx->tasks)) {
+        x = ngx_queue_head(&rctx->tasks);
+        ngx_queue_remove(x);
+
+        t = ngx_queue_data(x, loom_offload_task_t, rlink);
+        t->in_request = 0;
+        t->lua = 0;
+
+        if (!t->resolved) {
+            t->queue->aborted++;
+        }
+
+        ngx_loom_store(&t->cancelled, 1);
+        ngx_loom_offload_unpend(t);
+
+        if (!t->rt) {
+            t->garbage = 1;
+
+            /*
+             * the coroutine may still sit in the semaphore's wait queue
+             * until lua-nginx-module's own cleanup runs: free later
+             */
+            t->next = w->garbage;
+            w->garbage = t;
+
+            if (!w->gc_event.posted) {
+                ngx_post_event(&w->gc_event, &ngx_posted_events);
+            }
+        }
+    }
+}
+
+
+/* {{{ start-up and shutdown */
+
+static int
+ngx_loom_offload_spawn(void *(*fn)(void *), void *data)
+{
+    int             rc;
+    sigset_t        set, old;
+    pthread_t       tid;
+    pthread_attr_t  attr;
+
+    if (pthread_attr_init(&attr) != 0) {
+        return -1;
+    }
+
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+
+    /* the thread, and every thread it starts, leaves signals to nginx */
+    sigfillset(&set);
+    pthread_sigmask(SIG_SETMASK, &set, &old);
+
+    rc = pthread_create(&tid, &attr, fn, data);
+
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    pthread_attr_destroy(&attr);
+
+    return rc == 0 ? 0 : -1;
+}
+
+
+static void *
+ngx_loom_offload_start_thread(void *data)
+{
+    loom_offload_queue_t  *q = data;
+
+    int                   rc;
+    char                 *e;
+    loom_offload_init_t   ii;
+    loom_offload_init_pt  init;
+
+    rc = -1;
+
+    q->dl = dlopen(q->path, RTLD_NOW | (q->global ? RTLD_GLOBAL : 0));
+
+    if (q->dl == NULL) {
+        e = dlerror();
+        snprintf(q->err, LOOM_ERR_LEN, "%s", e ? e : "dlopen() failed");
+        goto done;
+    }
+
+    init = (loom_offload_init_pt) dlsym(q->dl, "loom_offload_init");
+    q->shutdown = (loom_offload_shutdown_pt)
+                  dlsym(q->dl, "loom_offload_shutdown");
+
+    if (init == NULL || q->shutdown == NULL) {
+        snprintf(q->err, LOOM_ERR_LEN, "%s does not export "
+                 "loom_offload_init and loom_offload_shutdown", q->path);
+        goto done;
+    }
+
+    memset(&ii, 0, sizeof(loom_offload_init_t));
+
+    ii.abi_version = LOOM_OFFLOAD_ABI_VERSION;
+    ii.size = sizeof(loom_offload_init_t);
+    ii.host = &ngx_loom_offload_host;
+    ii.queue = q;
+    ii.config = q->config;
+    ii.config_len = q->config_len;
+    ii.threads = q->threads;
+    ii.worker = (ngx_process == NGX_PROCESS_WORKER) ? (int) ngx_worker : -1;
+    ii.instance = NULL;
+    ii.err = q->err;
+    ii.err_size = LOOM_ERR_LEN;
+
+    q->err[0] = '\0';
+
+    rc = init(&ii);
+
+    if (rc != 0) {
+        q->err[LOOM_ERR_LEN - 1] = '\0';
+
+        if (q->err[0] == '\0') {
+            snprintf(q->err, LOOM_ERR_LEN,
+                     "loom_offload_init() returned %d", rc);
+        }
+
+    } else {
+        q->instance = ii.instance;
+    }
+
+done:
+
+    q->start_rc = rc;
+    ngx_loom_offload_publish(&q->control);
+
+    return NULL;
+}
+
+
+/* the start-up result reached the main thread */
+static void
+ngx_loom_offload_started(loom_offload_queue_t *q)
+{
+    if (q->start_rc == 0) {
+        q->started = 1;
+
+        if (q->state == LOOM_OFFLOAD_STARTING) {
+            q->state = LOOM_OFFLOAD_READY;
+        }
+
+        ngx_log_debug1(NGX_LOG_DEBUG_CORE, ngx_cycle->log, 0,
+                       "[loom.offload] %s started", q->path);
+        return;
+    }
+
+    ngx_log_error(NGX_LOG_ERR, ngx_cycle->log, 0,
+                  "[loom.offload] failed to start %s: %s", q->path, q->err);
+
+    ngx_loom_offload_close(q);
+    q->state = LOOM_OFFLOAD_FAILED;
+}
+
+
+static void *
+ngx_loom_offload_shutdown_thread(void *data)
+{
+    loom_offload_queue_t  *q = data;
+
+    q->shutdown(q->instance);
+
+    pthread_mutex_lock(&ngx_loom_offload_exit_mtx);
+    q->shut_done = 1;
+    pthread_cond_broadcast(&ngx_loom_offload_exit_cond);
+    pthread_mutex_unlock(&ngx_loom_offload_exit_mtx);
+
+    return NULL;
+}
+
+
+/* closes a queue: pending and waiting calls get "closed" */
+static void
+ngx_loom_offload_close(loom_offload_queue_t *q)
+{
+    ngx_queue_t          *x, *next;
+    loom_offload_task_t  *t;
+
+    if (q->grace_ev.timer_set) {
+        ngx_del_timer(&q->grace_ev);
+    }
+
+    pthread_mutex_lock(&q->mtx);
+
+    if (q->closed) {
+        pthread_mutex_unlock(&q->mtx);
+        return;
+    }
+
+    ngx_loom_store(&q->closed, 1);
+
+    while (!ngx_queue_empty(&q->pending)) {
+        x = ngx_queue_head(&q->pending);
+        ngx_queue_remove(x);
+        t = ngx_queue_data(x, loom_offload_task_t, pending);
+        t->where = LOOM_WHERE_NONE;
+        t->rt = 0;
+    }
+
+    ngx_loom_store(&q->npending, 0);
+
+    pthread_cond_broadcast(&q->cond);
+    pthread_mutex_unlock(&q->mtx);
+
+    if (q->state != LOOM_OFFLOAD_FAILED) {
+        q->state = LOOM_OFFLOAD_CLOSING;
+    }
+
+    for (x = ngx_queue_head(&q->live);
+         x != ngx_queue_sentinel(&q->live);
+         x = next)
+    {
+        next = ngx_queue_next(x);
+        t = ngx_queue_data(x, loom_offload_task_t, live);
+
+        if (t->rt) {
+            ngx_loom_store(&t->cancelled, 1);
+        }
+
+        if (t->lua && !t->resolved) {
+            ngx_loom_offload_resolve(t, LOOM_RESULT_CLOSED);
+        }
+
+        if (!t->lua && !t->rt && !t->garbage) {
+            ngx_loom_offload_task_free(t);
+        }
+    }
+}
+
+
+static void
+ngx_loom_offload_grace_handler(ngx_event_t *ev)
+{
+    loom_offload_queue_t  *q;
+
+    q = ev->data;
+
+    ngx_log_error(NGX_LOG_INFO, ev->log, 0,
+                  "[loom.offload] %s: grace period over, closing", q->path);
+
+    ngx_loom_offload_close(q);
+}
+
+
+static void
+ngx_loom_offload_exiting(ngx_uint_t now)
+{
+    ngx_queue_t                *x;
+    loom_offload_queue_t       *q;
+    ngx_loom_offload_worker_t  *w;
+
+    w = &ngx_loom_offload_w;
+    w->exiting = 1;
+
+    for (x = ngx_queue_head(&w->queues);
+         x != ngx_queue_sentinel(&w->queues);
+         x = ngx_queue_next(x))
+    {
+        q = ngx_queue_data(x, loom_offload_queue_t, link);
+
+        if (q->closed) {
+            continue;
+        }
+
+        if (now || q->grace == 0) {
+            ngx_loom_offload_close(q);
+            continue;
+        }
+
+        if (!q->grace_ev.timer_set) {
+            ngx_add_timer(&q->grace_ev, q->grace);
+        }
+    }
+}
+
+
+static void
+ngx_loom_offload_exit_process(ngx_cycle_t *cycle)
+{
+    uint64_t                    now, deadline, max;
+    ngx_uint_t                  waiting;
+    ngx_queue_t                *x;
+    struct timespec             ts;
+    loom_offload_queue_t       *q;
+    ngx_loom_offload_worker_t  *w;
+
+    w = &ngx_loom_offload_w;
+
+    if (!w->inited) {
+        return;
+    }
+
+    max = 0;
+
+    for (x = ngx_queue_head(&w->queues);
+         x != ngx_queue_sentinel(&w->queues);
+         x = ngx_queue_next(x))
+    {
+        q = ngx_queue_data(x, loom_offload_queue_t, link);
+
+        ngx_loom_offload_close(q);
+
+        if (!q->started) {
+            if (q->state == LOOM_OFFLOAD_STARTING
+                || q->state == LOOM_OFFLOAD_CLOSING)
+            {
+                ngx_log_error(NGX_LOG_NOTICE, cycle->log, 0,
+                              "[loom.offload] %s: still starting at exit, "
+                              "abandoned", q->path);
+            }
+
+            q->shut_done = 1;
+            continue;
+        }
+
+        if (ngx_loom_offload_spawn(ngx_loom_offload_shutdown_thread, q)
+            != 0)
+        {
+            ngx_log_error(NGX_LOG_ALERT, cycle->log, ngx_errno,
+                          "[loom.offload] %s: cannot start the shutdown "
+                          "thread", q->path);
+            q->shut_done = 1;
+            continue;
+        }
+
+        if (q->grace > max) {
+            max = q->grace;
+        }
+    }
+
+    /* wait for the runtimes, at most the longest grace period */
+
+    deadline = ngx_loom_offload_now_ns() + max * 1000000;
+    ts.tv_sec = deadline / 1000000000;
+    ts.tv_nsec = deadline % 1000000000;
+
+    pthread_mutex_lock(&ngx_loom_offload_exit_mtx);
+
+    for ( ;; ) {
+        waiting = 0;
+
+        for (x = ngx_queue_head(&w->queues);
+             x != ngx_queue_sentinel(&w->queues);
+             x = ngx_queue_next(x))
+        {
+            q = ngx_queue_data(x, loom_offload_queue_t, link);
+            waiting += !q->shut_done;
+        }
+
+        now = ngx_loom_offload_now_ns();
+
+        if (waiting == 0 || now >= deadline) {
+            break;
+        }
+
+        (void) pthread_cond_timedwait(&ngx_loom_offload_exit_cond,
+                                      &ngx_loom_offload_exit_mtx, &ts);
+    }
+
+    for (x = ngx_queue_head(&w->queues);
+         x != ngx_queue_sentinel(&w->queues);
+         x = ngx_queue_next(x))
+    {
+        q = ngx_queue_data(x, loom_offload_queue_t, link);
+
+        if (!q->shut_done) {
+            ngx_log_error(NGX_LOG_WARN, cycle->log, 0,
+                          "[loom.offload] %s: runtime did not shut down "
+                          "within %M ms, abandoned", q->path, q->grace);
+        }
+    }
+
+    pthread_mutex_unlock(&ngx_loom_offload_exit_mtx);
+
+    /* late answers are dropped from now on; the memory goes with exit() */
+
+    pthread_mutex_lock(&w->lock);
+
+    if (w->conn) {
+        ngx_close_connection(w->conn);
+        w->conn = NULL;
+    }
+
+    w->fd = -1;
+
+    pthread_mutex_unlock(&w->lock);
+}
+
+/* }}} */
+
+
+/* {{{ latency histogram */
+
+static ngx_uint_t
+ngx_loom_offload_hist_index(uint64_t us)
+{
+    ngx_uint_t  e, i;
+
+    if (us < LOOM_HIST_SUB) {
+        return (ngx_uint_t) us;
+    }
+
+    e = 63 - __builtin_clzll(us);           /* e >= LOOM_HIST_SUB_BITS */
+
+    i = LOOM_HIST_SUB * (e - LOOM_HIST_SUB_BITS + 1)
+        + ((us >> (e - LOOM_HIST_SUB_BITS)) & (LOOM_HIST_SUB - 1));
+
+    return i < LOOM_HIST_BUCKETS ? i : LOOM_HIST_BUCKETS - 1;
+}
+
+
+/* the middle of bucket i, in microseconds */
+static double
+ngx_loom_offload_hist_value(ngx_uint_t i)
+{
+    ngx_uint_t  e, sub;
+    double      lo, width;
+
+    if (i < LOOM_HIST_SUB) {
+        return (double) i;
+    }
+
+    e = i / LOOM_HIST_SUB + LOOM_HIST_SUB_BITS - 1;
+    sub = i % LOOM_HIST_SUB;
+
+    width = (double) ((uint64_t) 1 << (e - LOOM_HIST_SUB_BITS));
+    lo = (double) ((uint64_t) 1 << e) + sub * width;
+
+    return lo + width / 2;
+}
+
+/* }}} */
+
+
+/* {{{ FFI entry points */
+
+int
+ngx_loom_offload_ffi_load(const char *path, const char *config,
+    size_t config_len, int threads, int bound, int grace_ms, int spin_us,
+    int poll_us, int global, loom_offload_queue_t **out, u_char *err,
+    size_t *errlen)
+{
+    size_t                      len;
+    pthread_condattr_t          attr;
+    loom_offload_queue_t       *q;
+    ngx_loom_offload_worker_t  *w;
+
+    w = &ngx_loom_offload_w;
+
+    if (ngx_process != NGX_PROCESS_WORKER
+        && ngx_process != NGX_PROCESS_SINGLE)
+    {
+        *errlen = ngx_snprintf(err, *errlen,
+                               "runtimes run in worker processes only")
+                  - err;
+        return LOOM_FFI_BAD_CONTEXT;
+    }
+
+    if (ngx_loom_offload_worker_init(err, errlen) != NGX_OK) {
+        return LOOM_FFI_ERROR;
+    }
+
+    q = ngx_calloc(sizeof(loom_offload_queue_t), ngx_cycle->log);
+    if (q == NULL) {
+        goto nomem;
+    }
+
+    len = ngx_strlen(path);
+
+    q->path = malloc(len + 1);
+    q->config = malloc(config_len + 1);
+
+    if (q->path == NULL || q->config == NULL) {
+        free(q->path);
+        free(q->config);
+        ngx_free(q);
+        goto nomem;
+    }
+
+    ngx_memcpy(q->path, path, len + 1);
+    ngx_memcpy(q->config, config, config_len);
+    q->config[config_len] = '\0';
+    q->config_len = config_len;
+
+    if (pthread_mutex_init(&q->mtx, NULL) != 0
+        || pthread_condattr_init(&attr) != 0)
+    {
+        goto failed;
+    }
+
+    pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+
+    if (pthread_cond_init(&q->cond, &attr) != 0) {
+        pthread_condattr_destroy(&attr);
+        goto failed;
+    }
+
+    pthread_condattr_destroy(&attr);
+
+    ngx_queue_init(&q->pending);
+    ngx_queue_init(&q->live);
+
+    q->bound = bound > 0 ? (ngx_uint_t) bound : 1;
+    q->threads = threads > 0 ? (unsigned) threads : 1;
+    q->grace = grace_ms > 0 ? (ngx_msec_t) grace_ms : 0;
+    q->spin_ns = spin_us > 0 ? (uint64_t) spin_us * 1000 : 0;
+    q->poll_ns = poll_us > 0 ? (uint64_t) poll_us * 1000 : 0;
+    q->global = global;
+    q->state = LOOM_OFFLOAD_STARTING;
+
+    q->control.control = 1;
+    q->control.queue = q;
+
+    q->grace_ev.handler = ngx_loom_offload_grace_handler;
+    q->grace_ev.log = ngx_cycle->log;
+    q->grace_ev.data = q;
+    q->grace_ev.cancelable = 1;
+
+    if (ngx_loom_offload_spawn(ngx_loom_offload_start_thread, q) != 0) {
+        *errlen = ngx_snprintf(err, *errlen,
+                               "failed to start a thread: %d", ngx_errno)
+                  - err;
+        pthread_cond_destroy(&q->cond);
+        pthread_mutex_destroy(&q->mtx);
+        free(q->path);
+        free(q->config);
+        ngx_free(q);
+        return LOOM_FFI_ERROR;
+    }
+
+    ngx_queue_insert_tail(&w->queues, &q->link);
+
+    if (w->exiting) {
+        if (q->grace) {
+            ngx_add_timer(&q->grace_ev, q->grace);
+
+        } else {
+            ngx_loom_offload_close(q);
+        }
+    }
+
+    *out = q;
+
+    return LOOM_FFI_OK;
+
+failed:
+
+    free(q->path);
+    free(q->config);
+    ngx_free(q);
+
+nomem:
+
+    *errlen = ngx_snprintf(err, *errlen, "no memory") - err;
+
+    return LOOM_FFI_ERROR;
+}
+
+
+int
+ngx_loom_offload_ffi_submit(ngx_http_request_t *r, loom_offload_queue_t *q,
+    const u_char *data, size_t len, loom_offload_task_t **out, void **sem)
+{
+    char                     *errmsg;
+    size_t                    cap;
+    ngx_http_cleanup_t       *cln;
+    loom_offload_task_t      *t;
+    ngx_loom_offload_rctx_t  *rctx;
+
+    if (ngx_loom_load(&q->closed)) {
+        return LOOM_FFI_DECLINED;
+    }
+
+    if (ngx_loom_load(&q->npending) >= q->bound) {
+        q->rejected++;
+        return LOOM_FFI_BUSY;
+    }
+
+    rctx = ngx_http_get_module_ctx(r->main, ngx_loom_offload_module);
+
+    if (rctx == NULL) {
+        rctx = ngx_palloc(r->main->pool, sizeof(ngx_loom_offload_rctx_t));
+        if (rctx == NULL) {
+            return LOOM_FFI_ERROR;
+        }
+
+        cln = ngx_http_cleanup_add(r->main, 0);
+        if (cln == NULL) {
+            return LOOM_FFI_ERROR;
+        }
+
+        ngx_queue_init(&rctx->tasks);
+
+        cln->handler = ngx_loom_offload_request_cleanup;
+        cln->data = rctx;
+
+        ngx_http_set_ctx(r->main, rctx, ngx_loom_offload_module);
+    }
+
+    cap = len + 1;
+
+    if (cap < LOOM_MIN_INLINE_RSP) {
+        cap = LOOM_MIN_INLINE_RSP;
+    }
+
+    t = malloc(offsetof(loom_offload_task_t, data) + cap);
+    if (t == NULL) {
+        return LOOM_FFI_ERROR;
+    }
+
+    ngx_memzero(t, offsetof(loom_offload_task_t, data));
+
+    if (ngx_loom_offload_w.sema_new(&t->sem, 0, &errmsg) != NGX_OK) {
+        free(t);
+        return LOOM_FFI_ERROR;
+    }
+
+    if (len) {
+        ngx_memcpy(t->data, data, len);
+    }
+
+    t->data[len] = '\0';
+    t->req_len = len;
+    t->cap = cap;
+    t->queue = q;
+    t->start_us = ngx_loom_offload_now_ns() / 1000;
+    t->lua = 1;
+    t->rt = 1;
+    t->in_request = 1;
+    t->where = LOOM_WHERE_PENDING;
+
+    ngx_queue_insert_tail(&rctx->tasks, &t->rlink);
+    ngx_queue_insert_tail(&q->live, &t->live);
+
+    pthread_mutex_lock(&q->mtx);
+
+    ngx_queue_insert_tail(&q->pending, &t->pending);
+    ngx_loom_store(&q->npending, q->npending + 1);
+
+    /* a spinning thread will see the task; wake sleepers for the rest */
+    if (q->sleepers && q->npending > q->spinners) {
+        pthread_cond_signal(&q->cond);
+    }
+
+    pthread_mutex_unlock(&q->mtx);
+
+    q->submitted++;
+
+    if (q->npending > q->peak_queued) {
+        q->peak_queued = q->npending;
+    }
+
+    *out = t;
+    *sem = t->sem;
+
+    return LOOM_FFI_OK;
+}
+
+
+/*
+ * Right after a submission: when the runtime was idle and its recent
+ * round trips were shorter than poll_us, the event loop polls for the
+ * answer for up to poll_us instead of going to sleep in epoll_wait() and
+ * being woken up by the eventfd from another CPU. Returns 1 when the
+ * answer came (the task is resolved; read it with ffi_result), else 0:
+ * wait on the semaphore as usual.
+ */
+int
+ngx_loom_offload_ffi_poll(loom_offload_task_t *t)
+{
+    int                    polling;
+    void                  *sem;
+    uint64_t               deadline;
+    ngx_uint_t             n;
+    loom_offload_queue_t  *q;
+
+    q = t->queue;
+
+    if (q->poll_ns == 0
+        || q->ewma_ns >= q->poll_ns
+        || q->state != LOOM_OFFLOAD_READY
+        || ngx_loom_load(&q->npending) > 1
+        || ngx_loom_load(&q->taken) - q->answered > 1)
+    {
+        return 0;
+    }
+
+    q->polled++;
+
+    ngx_loom_store(&t->fast, LOOM_FAST_POLLING);
+
+    deadline = ngx_loom_offload_now_ns() + q->poll_ns;
+
+    for (n = 1; ngx_loom_load(&t->fast) == LOOM_FAST_POLLING; n++) {
+        ngx_loom_cpu_relax();
+
+        if ((n & 15) == 0 && ngx_loom_offload_now_ns() >= deadline) {
+            polling = LOOM_FAST_POLLING;
+
+            if (__atomic_compare_exchange_n(&t->fast, &polling,
+                                            LOOM_FAST_NONE, 0,
+                                            __ATOMIC_ACQ_REL,
+                                            __ATOMIC_ACQUIRE))
+            {
+                /* too slow this time: count it as a slow round trip */
+                q->ewma_ns += q->poll_ns / 8;
+                return 0;
+            }
+
+            break;
+        }
+    }
+
+    /* answered in our hands: complete it here, nobody waits on sem */
+
+    q->polled_hits++;
+
+    sem = t->sem;
+    t->sem = NULL;
+    ngx_loom_offload_done(t);
+    t->sem = sem;
+
+    return 1;
+}
+
+
+int
+ngx_loom_offload_ffi_result(loom_offload_task_t *t, u_char **data,
+    size_t *len)
+{
+    *data = t->rsp;
+    *len = t->rsp_len;
+
+    if (t->result == LOOM_RESULT_CLOSED || t->result == LOOM_RESULT_NOMEM) {
+        *data = NULL;
+        *len = 0;
+    }
+
+    return t->result;
+}
+
+
+/* Lua is done with the task (it has read the result) */
+void
+ngx_loom_offload_ffi_release(loom_offload_task_t *t)
+{
+    if (t->in_request) {
+        ngx_queue_remove(&t->rlink);
+        t->in_request = 0;
+    }
+
+    t->lua = 0;
+
+    if (!t->rt) {
+        ngx_loom_offload_task_free(t);
+
+    } else if (t->sem) {
+        /* resolved as "closed" while a runtime thread still holds it */
+        ngx_loom_offload_w.sema_gc(t->sem);
+        t->sem = NULL;
+    }
+}
+
+
+/*
+ * The wait timed out. Returns 1 when the result arrived anyway (in the
+ * same event loop iteration): the caller then reads it as usual.
+ * Otherwise marks the task cancelled and lets go of it; returns 0.
+ */
+int
+ngx_loom_offload_ffi_cancel(loom_offload_task_t *t)
+{
+    if (t->resolved) {
+        return 1;
+    }
+
+    t->queue->timeouts++;
+
+    ngx_loom_store(&t->cancelled, 1);
+
+    if (t->in_request) {
+        ngx_queue_remove(&t->rlink);
+        t->in_request = 0;
+    }
+
+    t->lua = 0;
+
+    /* the coroutine left the wait queue when it timed out */
+    if (t->sem) {
+        ngx_loom_offload_w.sema_gc(t->sem);
+        t->sem = NULL;
+    }
+
+    ngx_loom_offload_unpend(t);
+
+    if (!t->rt) {
+        ngx_loom_offload_task_free(t);
+    }
+
+    return 0;
+}
+
+
+int
+ngx_loom_offload_ffi_state(loom_offload_queue_t *q, char **err)
+{
+    *err = q->err;
+
+    return q->state;
+}
+
+
+int
+ngx_loom_offload_ffi_close(loom_offload_queue_t *q)
+{
+    ngx_loom_offload_close(q);
+
+    return LOOM_FFI_OK;
+}
+
+
+void
+ngx_loom_offload_ffi_stats(loom_offload_queue_t *q,
+    ngx_loom_offload_stats_t *st)
+{
+    double      *pct[4], want[4];
+    uint64_t     seen;
+    ngx_uint_t   i, k;
+
+    st->state = q->state;
+    st->threads = q->threads;
+    st->queued = (double) ngx_loom_load(&q->npending);
+    st->running = (double) (ngx_loom_load(&q->taken) - q->answered);
+    st->submitted = (double) q->submitted;
+    st->completed = (double) q->completed;
+    st->errors = (double) q->errors;
+    st->timeouts = (double) q->timeouts;
+    st->rejected = (double) q->rejected;
+    st->closed = (double) q->closed_calls;
+    st->aborted = (double) q->aborted;
+    st->late = (double) q->late;
+    st->lat_n = (double) q->lat_n;
+    st->lat_mean = q->lat_n ? (double) q->lat_sum / q->lat_n : 0;
+    st->lat_max = (double) q->lat_max;
+    st->polled = (double) q->polled;
+    st->polled_hits = (double) q->polled_hits;
+    st->peak_queued = (double) q->peak_queued;
+
+    pct[0] = &st->p50;
+    pct[1] = &st->p90;
+    pct[2] = &st->p99;
+    pct[3] = &st->p999;
+
+    want[0] = 0.50;
+    want[1] = 0.90;
+    want[2] = 0.99;
+    want[3] = 0.999;
+
+    for (k = 0; k < 4; k++) {
+        *pct[k] = 0;
+    }
+
+    if (q->lat_n == 0) {
+        return;
+    }
+
+    seen = 0;
+    k = 0;
+
+    for (i = 0; i < LOOM_HIST_BUCKETS && k < 4; i++) {
+        seen += q->hist[i];
+
+        while (k < 4 && (double) seen >= want[k] * (double) q->lat_n) {
+            *pct[k] = ngx_loom_offload_hist_value(i);
+
+            if (*pct[k] > st->lat_max) {
+                *pct[k] = st->lat_max;
+            }
+
+            k++;
+        }
+    }
+}
+
+/* }}} */
+
+/* vi:set ft=c ts=4 sw=4 et fdm=marker: */

@@ -1,0 +1,198 @@
+"""Broker and subscriber crashes, reloads, accept_mutex: exact counts."""
+
+import signal
+import time
+
+import eventsconf as ec
+
+# every worker but the broker (0) publishes COUNT events to "all" at a
+# steady pace once the bus is ready; data.n counts from 1
+PUBLISHER = """
+    local wid = ngx.worker.id()
+    if wid ~= 0 and ngx.worker.count() > 1 then
+        local bus = require("resty.loom.events").get()
+        ngx.timer.at(0.3, function(premature)
+            local n = 0
+            local count = %(count)d
+            while n < count and not ngx.worker.exiting() do
+                for _ = 1, %(batch)d do
+                    if n < count then
+                        local ok, err = bus:publish("all", "p" .. wid, "e",
+                                                    { n = n + 1, pid = ngx.worker.pid() })
+                        if ok then
+                            n = n + 1
+                        else
+                            ngx.log(ngx.WARN, "publish failed: ", err)
+                            break
+                        end
+                    end
+                end
+                ngx.sleep(0.01)
+            end
+            ngx.log(ngx.NOTICE, "publisher ", wid, " done: ", n)
+        end)
+    end
+"""
+
+
+def by_publisher(state):
+    out = {}
+    for k, v in state["received"].items():
+        wid, source, _ = k.split(":")
+        out[source] = out.get(source, 0) + v
+    return out
+
+
+def test_broker_kill9_no_loss_no_duplicates(nginx):
+    count = 3000
+    n = nginx(workers=4, http=ec.http(
+        extra_worker=PUBLISHER % {"count": count, "batch": 15}),
+        server=ec.SERVER)
+    n.allow_log(r"exited on signal 9")
+    ec.wait_ready(n)
+    time.sleep(1.0)          # publishers are about half way
+    broker = ec.states(n)[0]["pid"]
+    n.kill(broker, signal.SIGKILL)
+    n.wait_workers(4, exclude=[broker])
+    n.wait_log(r"publisher \d done: %d" % count, timeout=30, count=3)
+
+    deadline = time.time() + 20
+    while True:
+        st = ec.states(n)
+        ok = all(by_publisher(st[w]) == {"p1": count, "p2": count,
+                                        "p3": count} for w in (1, 2, 3))
+        if ok or time.time() > deadline:
+            break
+        time.sleep(0.1)
+    for w in (1, 2, 3):
+        assert by_publisher(st[w]) == {"p1": count, "p2": count,
+                                       "p3": count}, (w, st[w]["stats"])
+        assert st[w]["order_errors"] == 0
+        assert st[w]["stats"]["gaps"] == 0
+        assert st[w]["stats"]["reconnects"] >= 1
+    # the new broker got events only from the time it connected, in order
+    assert st[0]["pid"] != broker
+    assert st[0]["order_errors"] == 0
+
+
+def test_subscriber_kill9(nginx):
+    count = 2000
+    n = nginx(workers=4, http=ec.http(
+        extra_worker=PUBLISHER % {"count": count, "batch": 20}),
+        server=ec.SERVER)
+    n.allow_log(r"exited on signal 9")
+    ec.wait_ready(n)
+    time.sleep(0.6)
+    st = ec.states(n)
+    victim = st[3]["pid"]
+    n.kill(victim, signal.SIGKILL)
+    n.wait_workers(4, exclude=[victim])
+    n.wait_log(r"publisher [12] done: %d" % count, timeout=30, count=2)
+    deadline = time.time() + 20
+    while True:
+        st = ec.states(n)
+        got = [by_publisher(st[w]) for w in (0, 1, 2)]
+        if all(g.get("p1") == count and g.get("p2") == count
+               for g in got) or time.time() > deadline:
+            break
+        time.sleep(0.1)
+    for w in (0, 1, 2):
+        g = by_publisher(st[w])
+        assert g.get("p1") == count and g.get("p2") == count, (w, g)
+        assert st[w]["order_errors"] == 0
+    # the respawned worker 3 publishes its own events; everyone counts them
+    assert st[3]["pid"] != victim
+
+
+def test_accept_mutex_on_and_pinning(nginx):
+    n = nginx(workers=4, events="accept_mutex on; accept_mutex_delay 10ms;",
+              http=ec.http(), server=ec.SERVER)
+    st = ec.wait_ready(n)
+    # load on the TCP listener makes workers take the accept mutex, which
+    # re-enables every listener they have; pinned ones stay off
+    for _ in range(200):
+        n.get("/ev/state")
+    r = n.get("/ev/pub?target=all&n=20").json()
+    assert r["ok"] == 20
+    ec.wait_totals(n, {w: 20 for w in range(4)})
+    log = n.error_log()
+    assert "connection on worker" not in log
+    assert log.count("pinned to worker 0") == 3
+    st = ec.states(n)
+    broker = st[0]["stats"]["broker"]
+    assert broker["accepted"] == 4
+    assert broker["rejected"] == {}
+
+
+def test_reload_generations_isolated(nginx):
+    n = nginx(workers=2, http=ec.http(), server=ec.SERVER)
+    ec.wait_ready(n)
+    old = n.worker_pids()
+    n.get("/ev/pub?target=all&n=10")
+    ec.wait_totals(n, {0: 10, 1: 10})
+    new = n.reload()
+    assert not set(new) & set(old)
+    assert n.wait_gone(old, timeout=15)
+    st = ec.wait_ready(n)
+    # the new generation starts from zero: nothing from the old one
+    assert all(s["total"] == 0 for s in st.values())
+    assert all(s["pid"] in new for s in st.values())
+    r = n.get("/ev/pub?target=all&n=30").json()
+    assert r["ok"] == 30
+    st = ec.wait_totals(n, {0: 30, 1: 30})
+    assert "hello pid differs" not in n.error_log()
+
+
+def test_reload_while_publishing(nginx):
+    count = 2000
+    n = nginx(workers=4, http=ec.http(
+        extra_worker=PUBLISHER % {"count": count, "batch": 20}),
+        server=ec.SERVER)
+    ec.wait_ready(n)
+    time.sleep(0.5)
+    old = n.worker_pids()
+    n.reload()
+    assert n.wait_gone(old, timeout=20)
+    # the new generation publishes its own full run and loses nothing; had
+    # any old-generation event reached it, the counts would be higher
+    n.wait_log(r"publisher \d done: %d" % count, timeout=40, count=3)
+    deadline = time.time() + 20
+    while True:
+        st = ec.states(n)
+        ok = all(by_publisher(st[w]) == {"p1": count, "p2": count,
+                                        "p3": count} for w in range(4))
+        if ok or time.time() > deadline:
+            break
+        time.sleep(0.1)
+    for w in range(4):
+        assert by_publisher(st[w]) == {"p1": count, "p2": count,
+                                       "p3": count}, (w, st[w]["stats"])
+        assert st[w]["order_errors"] == 0
+
+
+def test_out_of_fds_listener_stays_pinned(nginx):
+    import socket
+    n = nginx(workers=2, main="worker_rlimit_nofile 64;",
+              http=ec.http(), server=ec.SERVER + """
+        location /hold { content_by_lua_block { ngx.sleep(3) } }
+    """)
+    n.allow_log(r"Too many open files")
+    ec.wait_ready(n)
+    # use up the workers' descriptors: nginx disables its listeners on
+    # EMFILE and re-enables them all from a timer
+    socks = []
+    for _ in range(150):
+        try:
+            s = socket.create_connection(("127.0.0.1", n.port), timeout=2)
+            s.sendall(b"GET /hold HTTP/1.1\r\nHost: x\r\n\r\n")
+            socks.append(s)
+        except OSError:
+            break
+    n.wait_log(r"Too many open files", timeout=10)
+    for s in socks:
+        s.close()
+    time.sleep(1.0)
+    r = n.get("/ev/pub?target=all&n=25").json()
+    assert r["ok"] == 25
+    ec.wait_totals(n, {0: 25, 1: 25})
+    assert "not the broker" not in n.error_log()

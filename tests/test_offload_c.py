@@ -1,0 +1,80 @@
+"""The example C runtime (runtimes/c): its own mock-host test, and what it
+shows through real nginx: CPU work off the event loop, state shared by the
+runtime's threads."""
+
+import json
+import os
+import subprocess
+import threading
+import time
+
+import pytest
+
+from test_offload_core import LIB, call, start
+
+
+@pytest.fixture(scope="module", autouse=True)
+def c_runtime():
+    subprocess.run(["make", "-s", "-C", os.path.dirname(LIB)], check=True)
+
+
+def test_mock_host():
+    res = subprocess.run(["make", "-s", "-C", os.path.dirname(LIB), "test"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "ok shutdown" in res.stdout
+    assert "not ok" not in res.stdout
+
+
+def test_hashing_does_not_block_the_event_loop(nginx):
+    n = start(nginx, workers=1, threads=1, timeout=60)
+    done = []
+
+    def hash_it():
+        r = call(n, "sha256 4000000 x", timeout=60)
+        done.append((time.time(), r))
+
+    th = threading.Thread(target=hash_it)
+    th.start()
+    time.sleep(0.05)
+    plain = []
+    for _ in range(20):
+        r = n.get("/plain")
+        plain.append((time.time(), r.text))
+    th.join()
+    # the same (only) worker answered every plain request while its
+    # runtime thread was still hashing
+    assert [t for _, t in plain] == ["plain\n"] * 20
+    assert done[0][1].status == 200 and len(done[0][1].body) == 64
+    assert plain[-1][0] < done[0][0]
+
+
+def test_cache_shared_by_threads(nginx):
+    n = start(nginx, workers=1, threads=4, server="""
+    location /cache {
+        content_by_lua_block {
+            local rt = require("offload_t").rt.main
+            local ths = {}
+            for i = 1, 200 do
+                ths[i] = ngx.thread.spawn(function()
+                    assert(rt:call("set k" .. i .. " v" .. i) == "ok")
+                    return rt:call("get k" .. i)
+                end)
+            end
+            local bad = 0
+            for i = 1, 200 do
+                local _, v = ngx.thread.wait(ths[i])
+                if v ~= "v" .. i then bad = bad + 1 end
+            end
+            local _, err = rt:call("get missing")
+            ngx.say(bad, " ", err)
+        }
+    }
+    """)
+    assert n.get("/cache").text == "0 runtime error: not found\n"
+    # the cache outlives the request: state kept between calls
+    assert call(n, "get k77").body == b"v77"
+    info = call(n, "info").body.decode()
+    assert info == "worker=0 threads=4 config="
+    s = json.loads(n.get("/stats").body)
+    assert s["threads"] == 4 and s["errors"] == 1

@@ -1,0 +1,63 @@
+"""The Python offload runtime (runtimes/python: CPython embedded by a C
+loader) through real nginx: the shared RuntimeSuite
+(tests/test_offload_rust.py) plus what is special about Python."""
+
+import os
+import re
+import time
+
+from test_offload_rust import ROOT, RuntimeSuite
+
+EXAMPLES = os.path.join(ROOT, "runtimes/python/examples")
+PY_TESTS = os.path.join(ROOT, "runtimes/python/tests")
+
+
+class TestPython(RuntimeSuite):
+    NAME = "python"
+    LIB = os.path.join(ROOT, "runtimes/python/build/libloom_rt_python.so")
+    CONFIG = "path=%s module=loom_example function=handle" % EXAMPLES
+    PANIC_OP = "raise:"
+    PANIC_RE = (r"(?s)^ERR runtime error: ValueError: boom\n"
+                r"Traceback \(most recent call last\):\n"
+                r".*loom_example\.py\", line \d+, in handle\n"
+                r".*\nValueError: boom$")
+    SOAK = 1000000
+    ECHO_CONFIG = "path=%s module=loom_example function=echo" % EXAMPLES
+
+    def test_returned_error(self, nginx):
+        # the handler must return bytes-like data (or str, or None)
+        n = self.start(nginx)
+        status, body = self.call(n, "int:5")
+        assert status == 500
+        assert body.startswith(b"ERR runtime error: TypeError: handler "
+                               b"returned int, expected bytes"), body
+
+    def test_extension_modules_load(self, nginx):
+        # hashlib's _hashlib is a lib-dynload extension: it needs
+        # libpython's symbols although nginx loads the runtime RTLD_LOCAL
+        import hashlib
+        n = self.start(nginx)
+        assert self.call(n, "sha256:abc") == (
+            200, hashlib.sha256(b"abc").hexdigest().encode())
+
+    def test_missing_module_fails_the_load(self, nginx):
+        n = self.start(nginx, ready=False,
+                       config="path=%s module=no_such_module" % EXAMPLES)
+        n.allow_log(r"ModuleNotFoundError")
+        assert self.call(n, "echo:x") == (500, b"ERR closed")
+        n.wait_log(r"failed to load python handler: ModuleNotFoundError: "
+                   r"No module named 'no_such_module'")
+
+    def test_slow_start_stays_off_the_event_loop(self, nginx):
+        # the module's import sleeps a second: the worker keeps serving
+        # other requests meanwhile, and calls wait in the queue
+        n = self.start(nginx, ready=False, workers=1,
+                       config="path=%s module=slow_start" % PY_TESTS)
+        t0 = time.monotonic()
+        r = n.get("/logphase")
+        assert r.status == 200 and time.monotonic() - t0 < 0.5
+        assert self.call(n, "x", timeout=5) == (200, b"started:x")
+        assert time.monotonic() - t0 > 0.5
+        n.wait_log(r"slow_start imported")
+        # a second load in the same worker reuses the interpreter
+        assert self.call(n, "y") == (200, b"started:y")

@@ -1,0 +1,506 @@
+-- Fake-clock unit tests of resty.loom.timer.core (pure LuaJIT, no nginx).
+
+local core = require "resty.loom.timer.core"
+
+local function case(name, fn)
+    fn()
+    print("ok " .. name)
+end
+
+local function check(cond, msg)
+    if not cond then
+        error(msg or "check failed", 2)
+    end
+end
+
+local function eq(a, b, msg)
+    if a ~= b then
+        error((msg or "") .. ": expected " .. tostring(b) .. ", got "
+              .. tostring(a), 2)
+    end
+end
+
+
+-- a fake clock in microseconds, plus a helper that drives the engine the
+-- way the nginx driver does (advance to now, run the queue)
+local function env(opts)
+    local e = { now = 1e9, logs = {} }
+    opts = opts or {}
+    opts.clock = function() return e.now end
+    opts.log = function(level, msg)
+        e.logs[#e.logs + 1] = level .. ": " .. msg
+    end
+    e.t = core.new(opts)
+    function e.step(us)
+        e.now = e.now + us
+        e.t:advance(e.now)
+        while e.t:run_next() do end
+    end
+    -- run to an absolute time, waking exactly where the engine asks to
+    function e.run_until(t_us)
+        while true do
+            local w = e.t:next_wake()
+            if not w or w > t_us then
+                break
+            end
+            if w > e.now then
+                e.now = w
+            end
+            e.t:advance(e.now)
+            while e.t:run_next() do end
+        end
+        e.now = t_us
+        e.t:advance(e.now)
+        while e.t:run_next() do end
+    end
+    return e
+end
+
+
+case("never early, late by less than one tick", function()
+    math.randomseed(3)
+    for _, res in ipairs({ 0.01, 0.001, 0.1 }) do
+        local e = env({ resolution = res })
+        local fired = {}
+        local due = {}
+        for i = 1, 3000 do
+            local d = math.random() * (i % 3 == 0 and 100 or 2)
+            due[i] = e.now + d * 1e6
+            e.t:at(d, function(premature, idx)
+                check(not premature)
+                fired[idx] = e.now
+            end, i)
+        end
+        e.run_until(e.now + 101e6)
+        for i = 1, 3000 do
+            check(fired[i], "never fired " .. i)
+            check(fired[i] >= due[i], "early " .. i)
+            check(fired[i] - due[i] < res * 1e6 + 1, "late " .. i .. " by "
+                  .. (fired[i] - due[i]))
+        end
+        eq(e.t:counts().timers, 0, "all freed")
+    end
+end)
+
+
+case("many timers in one slot, arguments and nils", function()
+    local e = env()
+    local got = 0
+    local seen = {}
+    for i = 1, 10000 do
+        e.t:at(0.5, function(_, a, b, c, d)
+            got = got + 1
+            seen[a] = true
+            check(b == nil and c == "c" and d == i)
+        end, i, nil, "c", i)
+    end
+    e.step(499999)
+    eq(got, 0, "before the deadline")
+    e.step(10000)
+    eq(got, 10000, "all in one go")
+    for i = 1, 10000 do
+        check(seen[i])
+    end
+end)
+
+
+case("zero delay runs on the next dispatch", function()
+    local e = env()
+    local ran = false
+    e.t:at(0, function(p) ran = not p end)
+    eq(e.t:next_wake(), 0)
+    e.step(0)
+    check(ran)
+end)
+
+
+case("cancel frees at once; stale handles refused", function()
+    local e = env()
+    local hs = {}
+    for i = 1, 1000 do
+        hs[i] = e.t:at(3600, function() error("cancelled timer ran") end)
+    end
+    eq(e.t:counts().timers, 1000)
+    eq(e.t.wheel.count, 1000)
+    for i = 1, 1000 do
+        check(e.t:cancel(hs[i]))
+    end
+    eq(e.t:counts().timers, 0, "freed")
+    eq(e.t.wheel.count, 0, "unlinked")
+    local ok, err = e.t:cancel(hs[1])
+    check(ok == nil and err == "not found")
+    -- the id is reused with a new generation; the old handle stays dead
+    local h2 = e.t:at(1, function() end)
+    check(h2 ~= hs[1000])
+    check(not e.t:cancel(hs[1000]))
+    check(e.t:is_active(h2))
+    e.run_until(e.now + 7200e6)
+end)
+
+
+case("cancel from inside a callback", function()
+    local e = env()
+    local h2
+    local ran2 = false
+    e.t:at(1, function()
+        check(e.t:cancel(h2))
+    end)
+    h2 = e.t:at(1, function() ran2 = true end)   -- same tick, same slot
+    local h3
+    local runs3 = 0
+    h3 = e.t:every(0.1, function()
+        runs3 = runs3 + 1
+        if runs3 == 3 then
+            check(e.t:cancel(h3))       -- cancel itself while running
+            check(not e.t:is_active(h3))
+        end
+    end)
+    e.run_until(e.now + 5e6)
+    check(not ran2, "cancelled sibling ran")
+    eq(runs3, 3, "self-cancelled every")
+    eq(e.t:counts().timers, 0)
+end)
+
+
+case("cancel of a running timer from elsewhere", function()
+    local e = env()
+    local runs = 0
+    local h
+    h = e.t:every(0.1, function()
+        runs = runs + 1
+        eq(e.t:state(h), "running")
+        -- a nested engine call while running: cancel through the name
+        -- table is tested below; here through the handle
+        if runs == 2 then
+            e.t:cancel(h)
+            eq(e.t:state(h), nil)
+            local ok, err = e.t:cancel(h)
+            check(not ok and err == "not found", "double cancel")
+        end
+    end)
+    e.run_until(e.now + 1e6)
+    eq(runs, 2)
+end)
+
+
+case("fixed_rate with a slow callback skips and counts", function()
+    local e = env()
+    local starts = {}
+    e.t:every(0.1, function()
+        starts[#starts + 1] = e.now
+        e.now = e.now + 250000      -- the callback takes 0.25 s
+    end)
+    local t0 = e.now
+    e.run_until(t0 + 2.05e6)
+    -- runs at 0.1, then the next free slot of the 0.1 grid: 0.4, 0.7 ...
+    check(#starts >= 6, "runs " .. #starts)
+    for i = 1, #starts do
+        local off = starts[i] - t0
+        check(math.abs(off - (0.1 + 0.3 * (i - 1)) * 1e6) < 1e4 + 1,
+              "run " .. i .. " at " .. off)
+    end
+    local st = e.t:stats()
+    check(st.totals.skipped >= 2 * (#starts - 1), "skipped "
+          .. st.totals.skipped)
+    for _, s in pairs(st.sites) do
+        eq(s.skipped, st.totals.skipped, "per-site skipped")
+    end
+end)
+
+
+case("fixed_rate keeps the grid (no drift) when fast", function()
+    local e = env()
+    local starts = {}
+    e.t:every(0.25, function()
+        starts[#starts + 1] = e.now
+        e.now = e.now + 3000
+    end)
+    local t0 = e.now
+    e.run_until(t0 + 10e6 + 1)
+    eq(#starts, 40, "runs in 10 s")
+    for i = 1, 40 do
+        local off = starts[i] - t0 - i * 250000
+        check(off >= 0 and off < 1e4 + 1, "drift at run " .. i)
+    end
+end)
+
+
+case("fixed_delay counts from the end of the last run", function()
+    local e = env()
+    local starts = {}
+    e.t:every({ interval = 0.1, mode = "fixed_delay" }, function()
+        starts[#starts + 1] = e.now
+        e.now = e.now + 250000
+    end)
+    e.run_until(e.now + 3e6)
+    check(#starts >= 5)
+    for i = 2, #starts do
+        local gap = starts[i] - starts[i - 1]
+        check(gap >= 350000 and gap < 350000 + 1e4 + 1, "gap " .. gap)
+    end
+    eq(e.t:stats().totals.skipped, 0)
+end)
+
+
+case("jitter stays within bounds", function()
+    local e = env()
+    local fired = {}
+    local t0 = e.now
+    for i = 1, 2000 do
+        e.t:at({ delay = 1, jitter = 0.5 }, function() fired[i] = e.now end)
+    end
+    e.run_until(t0 + 2e6)
+    local lo, hi = math.huge, 0
+    for i = 1, 2000 do
+        local off = fired[i] - t0
+        check(off >= 1e6 and off <= 1.5e6 + 1e4, "jittered " .. off)
+        lo = math.min(lo, off)
+        hi = math.max(hi, off)
+    end
+    check(hi - lo > 0.4e6, "jitter actually spreads")
+    -- every: jitter shifts the first run only
+    local runs = {}
+    e.t:every({ interval = 1, jitter = 0.3 }, function()
+        runs[#runs + 1] = e.now
+    end)
+    e.run_until(e.now + 5e6)
+    for i = 2, #runs do
+        check(math.abs(runs[i] - runs[i - 1] - 1e6) < 1e4 + 1)
+    end
+end)
+
+
+case("names: duplicate error, replace, reuse from the callback", function()
+    local e = env()
+    local h1 = assert(e.t:at({ delay = 10, name = "job" }, function() end))
+    local h, err = e.t:at({ delay = 10, name = "job" }, function() end)
+    check(h == nil and err == "exists")
+    eq(e.t:handle("job"), h1)
+    local ran = 0
+    local h2 = assert(e.t:at({ delay = 1, name = "job", replace = true },
+                             function()
+        ran = ran + 1
+        -- a one-shot may re-arm itself under its own name
+        if ran < 3 then
+            assert(e.t:at({ delay = 1, name = "job" }, debug.getinfo(1,
+                   "f").func))
+        end
+    end))
+    check(not e.t:is_active(h1), "replaced timer cancelled")
+    check(e.t:is_active("job"))
+    check(h2 ~= h1)
+    e.run_until(e.now + 10e6)
+    eq(ran, 3)
+    check(not e.t:is_active("job"))
+    -- names work as handles
+    e.t:every({ interval = 1, name = "tick" }, function() end)
+    check(e.t:pause("tick"))
+    eq(e.t:state("tick"), "paused")
+    check(e.t:cancel("tick"))
+    eq(e.t:state("tick"), nil)
+end)
+
+
+case("pause and resume in every state", function()
+    local e = env()
+    -- pending
+    local runs = 0
+    local h = e.t:every(1, function() runs = runs + 1 end)
+    e.run_until(e.now + 0.4e6)
+    check(e.t:pause(h))
+    check(e.t:pause(h), "pause twice")
+    eq(e.t:state(h), "paused")
+    check(not e.t:is_active(h))
+    e.run_until(e.now + 5e6)
+    eq(runs, 0, "paused timer ran")
+    check(e.t:resume(h))
+    eq(e.t:state(h), "pending")
+    check(e.t:resume(h), "resume of an active timer")   -- no orphan
+    eq(e.t:state(h), "pending")
+    -- it had 0.6 s left when paused
+    e.run_until(e.now + 0.59e6)
+    eq(runs, 0)
+    e.run_until(e.now + 0.02e6)
+    eq(runs, 1)
+    -- running: pause from inside takes effect after the run
+    local r2 = 0
+    local h2
+    h2 = e.t:every(0.5, function()
+        r2 = r2 + 1
+        check(e.t:pause(h2))
+        eq(e.t:state(h2), "paused")
+        if r2 == 1 then
+            check(e.t:resume(h2))      -- resumed before the run ended
+            eq(e.t:state(h2), "running")
+        end
+    end)
+    e.run_until(e.now + 3.1e6)
+    eq(r2, 2, "second run paused it")
+    eq(e.t:state(h2), "paused")
+    check(e.t:resume(h2))
+    e.run_until(e.now + 0.51e6)
+    eq(r2, 3)
+    -- queued (due but not yet run)
+    local r3 = 0
+    local h3 = e.t:at(0.1, function() r3 = r3 + 1 end)
+    e.now = e.now + 0.2e6
+    e.t:advance(e.now)
+    eq(e.t:state(h3), "queued")
+    check(e.t:pause(h3))
+    while e.t:run_next() do end
+    eq(r3, 0, "paused while queued")
+    check(e.t:resume(h3))
+    e.step(0)
+    eq(r3, 1)
+    -- unknown
+    local ok, err = e.t:pause(12345)
+    check(not ok and err == "not found")
+    check(not e.t:resume("nope"))
+end)
+
+
+case("errors: traceback, creation site, counted", function()
+    local e = env()
+    local function boom() error("kaboom") end
+    e.t:at(0.1, boom)
+    e.t:at({ delay = 0.1, name = "named" }, function() boom() end)
+    e.run_until(e.now + 1e6)
+    eq(#e.logs, 2)
+    for _, l in ipairs(e.logs) do
+        check(l:find("^error: %[loom.timer%] timer created at "
+                     .. "tests/unit/timer_core.lua:%d+"), l)
+        check(l:find("kaboom", 1, true))
+        check(l:find("stack traceback", 1, true), "traceback")
+    end
+    check(e.logs[1]:find('(name "named")', 1, true)
+          or e.logs[2]:find('(name "named")', 1, true))
+    local st = e.t:stats()
+    eq(st.totals.errors, 2)
+    eq(st.names.named.errors, 1)
+    local n = 0
+    for key, s in pairs(st.sites) do
+        check(key:find("timer_core.lua:", 1, true))
+        n = n + s.errors
+        check(s.last_error:find("kaboom", 1, true))
+    end
+    eq(n, 2)
+end)
+
+
+case("max_run_time is reported", function()
+    local e = env()
+    e.t:at({ delay = 0.1, max_run_time = 0.05 }, function()
+        e.now = e.now + 80000
+    end)
+    e.t:at({ delay = 0.1, max_run_time = 0.05 }, function()
+        e.now = e.now + 10000
+    end)
+    e.run_until(e.now + 1e6)
+    eq(e.t:stats().totals.overruns, 1)
+    check(e.logs[1]:find("^warn: .*ran 80 ms, over its maximum run time "
+                         .. "of 50 ms"), e.logs[1])
+end)
+
+
+case("statistics: runs, lateness, queue wait, pending", function()
+    local e = env()
+    local function cb()
+        e.now = e.now + 1000
+    end
+    for i = 1, 10 do
+        local h, err = e.t:every({ interval = 0.1, name = "n" .. i }, cb)
+        check(h, err)
+    end
+    e.run_until(e.now + 1.001e6)
+    local st = e.t:stats()
+    local s = st.names.n3
+    eq(s.runs, 10)
+    eq(s.pending, 1)
+    local site
+    for _, v in pairs(st.sites) do
+        site = v
+    end
+    eq(site.runs, 100)
+    eq(site.pending, 10)
+    eq(site.run_time.count, 100)
+    check(site.run_time.min >= 0.001 and site.run_time.max <= 0.0011)
+    check(site.lateness.max < 0.02, "lateness " .. site.lateness.max)
+    check(site.lateness.p99 <= site.lateness.max)
+    check(site.lateness.p50 <= site.lateness.p99)
+    -- ten jobs per tick each taking 1 ms: the last waits about 9 ms
+    check(site.queue_wait.max >= 0.009 and site.queue_wait.max <= 0.0101,
+          "queue wait " .. site.queue_wait.max)
+    eq(st.timers, 10)
+    eq(st.pending, 10)
+end)
+
+
+case("exit: premature delivery to pending, paused, queued", function()
+    local e = env()
+    local prem = {}
+    local function cb(p, tag)
+        prem[tag] = p
+    end
+    e.t:at(100, cb, "pending")
+    local hp = e.t:every(1, cb, "paused")
+    e.t:pause(hp)
+    local runs = 0
+    local hr
+    hr = e.t:every(0.5, function(p)
+        runs = runs + 1
+        if runs == 1 then
+            e.t:at(0, cb, "queued")
+            eq(e.t:state(e.t:at(0.01, cb, "wheel")), "pending")
+            eq(e.t:exit(e.now + 5e6), 4, "queued for premature")
+            check(not p)
+            local h, err = e.t:at(1, cb, "x")
+            check(h == nil and err == "process exiting")
+            check(e.t:at(0, cb, "zero"), "zero delay allowed while exiting")
+        end
+    end)
+    e.run_until(e.now + 2e6)
+    eq(runs, 1, "running recurring timer stops")
+    check(not e.t:is_active(hr))
+    check(prem.pending == true and prem.paused == true
+          and prem.queued == true and prem.wheel == true, "premature flags")
+    eq(prem.zero, false)
+    eq(prem.x, nil)
+    eq(e.t:counts().timers, 0)
+    eq(e.t:stats().totals.premature, 4)
+end)
+
+
+case("exit: premature runs past the deadline are dropped", function()
+    local e = env()
+    local n = 0
+    for _ = 1, 10 do
+        e.t:at(100, function()
+            n = n + 1
+            e.now = e.now + 1e6
+        end)
+    end
+    e.t:exit(e.now + 2.5e6)
+    e.step(0)
+    eq(n, 3)
+    eq(e.t:stats().totals.dropped, 7)
+    eq(e.t:counts().timers, 0)
+end)
+
+
+case("argument errors", function()
+    local e = env()
+    local function raises(f, pat)
+        local ok, err = pcall(f)
+        check(not ok and err:find(pat, 1, true), tostring(err))
+    end
+    raises(function() e.t:at(-1, print) end, "delay must be >= 0")
+    raises(function() e.t:at(0 / 0, print) end, "delay must be >= 0")
+    raises(function() e.t:at(1, "x") end, "callback must be a function")
+    raises(function() e.t:every(0, print) end, "interval must be > 0")
+    raises(function() e.t:every({ interval = 1, mode = "x" }, print) end,
+           "opts.mode must be")
+    raises(function() e.t:at({ delay = 1, name = 3 }, print) end,
+           "opts.name must be a string")
+    raises(function() core.new({ clock = os.time, resolution = 0.0001 }) end,
+           "opts.resolution must be")
+end)
