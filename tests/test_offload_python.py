@@ -40,6 +40,11 @@ class TestPython(RuntimeSuite):
         assert self.call(n, "sha256:abc") == (
             200, hashlib.sha256(b"abc").hexdigest().encode())
 
+    def test_init_function_gets_the_config(self, nginx):
+        cfg = self.CONFIG + " init=setup pool=4"
+        n = self.start(nginx, config=cfg)
+        assert self.call(n, "config:") == (200, cfg.encode())
+
     def test_missing_module_fails_the_load(self, nginx):
         n = self.start(nginx, ready=False,
                        config="path=%s module=no_such_module" % EXAMPLES)

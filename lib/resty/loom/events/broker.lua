@@ -516,6 +516,11 @@ function _M.serve(bus)
     end
 
     local q = queue(b, wid)
+    if q.conn and q.conn.pid ~= pid
+       and C.ngx_loom_ffi_is_sibling(q.conn.pid) == 1 then
+        reject(b, sock, "worker id in use", tostring(wid))
+        return ngx_exit(444)
+    end
     if q.conn then
         -- the process with this id is gone (or lost its connection): the
         -- new connection takes over the queue

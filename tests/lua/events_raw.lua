@@ -1,0 +1,82 @@
+-- A misbehaving bus client, run inside a worker (so it passes the peer
+-- credential check) to send the broker bad handshakes and frames.
+
+local ffi = require "ffi"
+local buffer = require "string.buffer"
+local frame = require "resty.loom.events.frame"
+
+ffi.cdef [[ long long ngx_loom_ffi_generation(void); ]]
+
+local _M = {}
+
+
+local function hello(over)
+    local h = {
+        version = frame.VERSION,
+        worker = ngx.worker.id(),
+        pid = ngx.worker.pid(),
+        generation = tonumber(ffi.C.ngx_loom_ffi_generation()),
+    }
+    for k, v in pairs(over or {}) do
+        h[k] = v
+    end
+    local out = buffer.new()
+    frame.put_control(out, frame.HELLO, 0, h)
+    return out:get()
+end
+
+
+local function header(version, typ, len)
+    local out = buffer.new()
+    frame.put_header(out, typ, 0, len, 1)
+    local s = out:get()
+    return string.char(version) .. s:sub(2)
+end
+
+
+local KINDS = {
+    garbage = function() return "\255\1\2\3 this is not a frame at all" end,
+    version = function() return header(9, frame.HELLO, 10) .. "0123456789" end,
+    not_hello = function() return header(1, frame.EVENT, 0) end,
+    hello_garbage = function()
+        return header(1, frame.HELLO, 12) .. "not-a-buffer"
+    end,
+    lying_pid = function() return hello({ pid = 1 }) end,
+    bad_worker = function() return hello({ worker = 99 }) end,
+    generation = function() return hello({ generation = 12345 }) end,
+    oversize = function()
+        return hello() .. header(1, frame.EVENT, 0x7fffffff)
+    end,
+    bad_type = function() return hello() .. header(1, 200, 0) end,
+}
+
+
+function _M.handle()
+    local kind = ngx.var.arg_kind
+    local sock = ngx.socket.tcp()
+    sock:settimeout(3000)
+    assert(sock:connect("unix:" .. ngx.config.prefix() .. "sock/bus.sock"))
+    assert(sock:send("GET / HTTP/1.1\r\nHost: x\r\nUpgrade: loom-events/1\r\n"
+                     .. "Connection: Upgrade\r\n\r\n"))
+    local line = sock:receive("*l")
+    if line ~= "HTTP/1.1 101 Switching Protocols" then
+        ngx.say("refused: ", line)
+        return
+    end
+    repeat line = sock:receive("*l") until line == "" or not line
+    assert(sock:send(KINDS[kind]()))
+    -- the broker must close the connection (after a reject frame or not)
+    local got = {}
+    while true do
+        local data, err = sock:receiveany(65536)
+        if not data then
+            ngx.say(err == "closed" and "closed" or ("not closed: " .. err))
+            break
+        end
+        got[#got + 1] = data
+    end
+    sock:close()
+end
+
+
+return _M

@@ -1,0 +1,540 @@
+"""resty.loom.timer against a real nginx (several workers, real signals)."""
+
+import json
+import os
+import re
+import time
+import xml.etree.ElementTree as ET
+
+HTTP = """
+lua_shared_dict t 8m;
+"""
+
+RUN = """
+location = /run {
+    content_by_lua_block {
+        ngx.req.read_body()
+        local f = assert(loadstring(ngx.var.arg_code or
+                                    ngx.req.get_body_data()))
+        local ok, err = pcall(f)
+        if not ok then
+            ngx.status = 500
+            ngx.say("error: ", err)
+            return
+        end
+    }
+}
+location = /get {
+    content_by_lua_block {
+        local v = ngx.shared.t:get(ngx.var.arg_k)
+        ngx.say(v == nil and "nil" or tostring(v))
+    }
+}
+location = /stats {
+    content_by_lua_block {
+        require("resty.loom.timer").serve_json()
+    }
+}
+location = /flamegraph.svg {
+    content_by_lua_block {
+        require("resty.loom.timer").serve_flamegraph()
+    }
+}
+"""
+
+
+def run(n, code, timeout=30):
+    r = n.post("/run", body=code.encode(), timeout=timeout)
+    assert r.status == 200, r.text
+    return r.text
+
+
+def get(n, key):
+    v = n.get("/get?k=" + key).text.strip()
+    return None if v == "nil" else float(v)
+
+
+def wait_for(fn, timeout=10, step=0.05):
+    deadline = time.time() + timeout
+    while True:
+        v = fn()
+        if v:
+            return v
+        if time.time() > deadline:
+            return v
+        time.sleep(step)
+
+
+def test_100k_timers_fire_once_never_early(nginx):
+    n = nginx(workers=2, http=HTTP, server=RUN)
+    out = run(n, """
+        local timer = require "resty.loom.timer"
+        local h = require "timer_helpers"
+        local created = h.mono()
+        for i = 1, 100000 do
+            local d = (i % 100) / 100          -- 0 .. 0.99 s
+            assert(timer.at(d, h.checked, created, d, "k"))
+        end
+        ngx.say(timer.pending_count(), " ",
+                timer.native.pending_count(), " ",
+                timer.native.running_count())
+    """)
+    pending, native_pending, native_running = map(int, out.split())
+    assert pending >= 99000            # a few zero-delay ones may have run
+    # native timers in use: the exit sentinel and the runner being started
+    # (it runs once this handler returns); none per job
+    assert native_pending <= 2
+    assert native_running <= 1
+    assert wait_for(lambda: get(n, "k:runs") == 100000, 15), \
+        get(n, "k:runs")
+    time.sleep(0.3)
+    assert get(n, "k:runs") == 100000
+    assert get(n, "k:early") is None
+    st = n.get("/stats").json()
+    assert st["source"] in ("local", "events")
+    w = [v for v in st["workers"].values() if v["totals"]["runs"] > 0][0]
+    assert w["totals"]["runs"] == 100000
+    assert w["timers"] == 0 and w["pending"] == 0
+    site = [s for s in w["sites"].values() if s["runs"] == 100000]
+    assert len(site) == 1
+    assert site[0]["lateness"]["count"] == 100000
+    assert site[0]["pending"] == 0
+
+
+def test_cancel_frees_immediately(nginx):
+    n = nginx(workers=1, http=HTTP, server=RUN)
+    out = run(n, """
+        local timer = require "resty.loom.timer"
+        local hs = {}
+        local ran = function() ngx.shared.t:incr("ran", 1, 0) end
+        for i = 1, 50000 do
+            hs[i] = timer.at(0.2 + i / 1e6, ran)
+        end
+        local before = timer.stats().timers
+        for i = 1, 50000, 2 do
+            assert(timer.cancel(hs[i]))
+        end
+        local ok, err = timer.cancel(hs[1])
+        ngx.say(before, " ", timer.stats().timers, " ", timer.pending_count(),
+                " ", tostring(ok), " ", err)
+    """)
+    assert out.split() == ["50000", "25000", "25000", "nil", "not", "found"]
+    assert wait_for(lambda: get(n, "ran") == 25000, 10)
+    time.sleep(0.3)
+    assert get(n, "ran") == 25000
+
+
+def test_every_rate_and_no_overlap(nginx):
+    n = nginx(workers=2, http=HTTP + """
+    init_worker_by_lua_block {
+        local timer = require "resty.loom.timer"
+        local h = require "timer_helpers"
+        timer.every(0.05, function()
+            h.incr("fast:" .. ngx.worker.id())
+        end)
+        -- slower than its interval: must never overlap itself
+        local running = false
+        timer.every(0.1, function()
+            if running then
+                h.incr("overlap")
+            end
+            running = true
+            h.incr("slow:" .. ngx.worker.id())
+            ngx.sleep(0.25)
+            running = false
+        end)
+    }
+    """, server=RUN)
+    time.sleep(2.0)
+    st = n.get("/stats").json()
+    for wid in ("0", "1"):
+        fast = get(n, "fast:" + wid)
+        slow = get(n, "slow:" + wid)
+        # 2 s at 0.05 s is 40 runs; the wheel never runs a tick twice
+        assert 30 <= fast <= 41, fast
+        # a 0.25 s callback on a 0.1 s grid runs every 0.3 s at most
+        assert 3 <= slow <= 8, slow
+    assert get(n, "overlap") is None
+    w = st["workers"]["0"]
+    assert w["totals"]["skipped"] > 0
+    assert w["totals"]["errors"] == 0
+
+
+def test_yielding_callbacks_run_concurrently(nginx):
+    n = nginx(workers=1, http=HTTP, server=RUN)
+    run(n, """
+        local timer = require "resty.loom.timer"
+        local h = require "timer_helpers"
+        for i = 1, 5000 do
+            timer.at(0, function()
+                local c = h.incr("in")
+                h.max("peak", c)
+                ngx.sleep(0.2)
+                h.incr("in", -1)
+                h.incr("done")
+            end)
+        end
+        -- a recurring timer keeps running while those sleep
+        timer.every(0.02, function() h.incr("tick") end)
+    """)
+    assert wait_for(lambda: get(n, "done") == 5000, 20), get(n, "done")
+    # all 5000 sleepers were in flight at the same time
+    assert get(n, "peak") == 5000
+    assert get(n, "tick") >= 5
+    st = n.get("/stats").json()["workers"]["0"]
+    # pool shrinks back: no lane left once the sleepers are done
+    assert wait_for(lambda: n.get("/stats").json()["workers"]["0"]
+                    ["threads"]["alive"] == 0, 5)
+    assert st["threads"]["spawned"] >= 5000
+    assert st["runners"]["handovers"] >= 4     # 1000 lanes per runner
+
+
+def test_pool_bounds_are_counted(nginx):
+    n = nginx(workers=1, http=HTTP + """
+    init_by_lua_block {
+        require("resty.loom.timer").configure({
+            max_running = 50, runner_spawns = 20, max_runners = 3,
+        })
+    }
+    """, server=RUN)
+    run(n, """
+        local timer = require "resty.loom.timer"
+        local h = require "timer_helpers"
+        for i = 1, 300 do
+            timer.at(0, function()
+                local c = h.incr("in")
+                h.max("peak", c)
+                ngx.sleep(0.05)
+                h.incr("in", -1)
+                h.incr("done")
+            end)
+        end
+    """)
+    assert wait_for(lambda: get(n, "done") == 300, 15)
+    assert get(n, "peak") <= 50
+    st = n.get("/stats").json()["workers"]["0"]
+    assert st["threads"]["bound_hits"] > 0
+    assert st["threads"]["max"] == 50
+    assert st["runners"]["max"] == 3
+    assert st["runners"]["handovers"] >= 1
+    lw = st["sites"]
+    qmax = max(s["queue_wait"]["max"] for s in lw.values()
+               if s["queue_wait"]["count"])
+    assert qmax >= 0.05                 # jobs waited for a free lane
+    # shrinks when idle: retired runners end when their lanes are done
+    assert wait_for(lambda: n.get("/stats").json()["workers"]["0"]
+                    ["runners"]["alive"] == 1, 5)
+
+
+def test_errors_traceback_and_site(nginx):
+    n = nginx(workers=2, http=HTTP, server=RUN)
+    n.allow_log(r"\[loom\.timer\] timer created at")
+    run(n, """
+        local timer = require "resty.loom.timer"
+        local function explode(p, what)
+            error("boom: " .. what)
+        end
+        timer.at(0.01, explode, "one")
+        timer.at({ delay = 0.02, name = "named-bad" }, explode, "two")
+        timer.every(0.05, function() local x = nil; return x.y end)
+    """)
+    m = n.wait_log(r"\[error\].*timer created at \S+ failed: .*boom: one",
+                   timeout=5)
+    assert m
+    log = n.error_log()
+    line = [ln for ln in log.splitlines() if "boom: one" in ln][0]
+    assert re.search(r"timer created at content_by_lua\(nginx\.conf:\d+\):"
+                     r"\d+ failed", line), line
+    assert "stack traceback" in log
+    assert 'name "named-bad"' in log
+    time.sleep(0.3)
+    st = n.get("/stats").json()
+    w = [v for v in st["workers"].values() if v["totals"]["errors"]][0]
+    assert w["totals"]["errors"] >= 4
+    assert w["names"]["named-bad"]["errors"] == 1
+    assert "boom: two" in w["names"]["named-bad"]["last_error"]
+    sites = [s for s in w["sites"].values() if s["errors"] >= 2]
+    assert sites and "attempt to index" in sites[0]["last_error"]
+
+
+def test_names_duplicate_and_replace(nginx):
+    n = nginx(workers=1, http=HTTP, server=RUN)
+    out = run(n, """
+        local timer = require "resty.loom.timer"
+        local h = require "timer_helpers"
+        local a = assert(timer.every({ interval = 0.05, name = "job" },
+                                     function() h.incr("a") end))
+        local b, err = timer.every({ interval = 0.05, name = "job" },
+                                   function() h.incr("b") end)
+        ngx.say(tostring(b), " ", err)
+        ngx.sleep(0.2)
+        local c = assert(timer.every({ interval = 0.05, name = "job",
+                                       replace = true },
+                                     function() h.incr("c") end))
+        ngx.say(tostring(timer.is_active(a)), " ",
+                tostring(timer.is_active("job")), " ",
+                tostring(timer.handle("job") == c))
+    """)
+    lines = out.split("\n")
+    assert lines[0] == "nil exists"
+    assert lines[1] == "false true true"
+    a1 = get(n, "a")
+    time.sleep(0.3)
+    assert get(n, "a") == a1            # the replaced timer is gone
+    assert get(n, "b") is None
+    assert get(n, "c") >= 3
+
+
+def test_pause_resume_every_state(nginx):
+    n = nginx(workers=1, http=HTTP, server=RUN)
+    out = run(n, """
+        local timer = require "resty.loom.timer"
+        local h = require "timer_helpers"
+        local out = {}
+        local function say(...) out[#out + 1] = table.concat({...}, " ") end
+        -- pending
+        local p = timer.every(0.05, function() h.incr("p") end)
+        assert(timer.pause(p))
+        assert(timer.pause(p))
+        say("paused", timer.state(p), tostring(timer.is_active(p)))
+        ngx.sleep(0.2)
+        say("ran while paused", tostring(h.get("p")))
+        assert(timer.resume(p))
+        assert(timer.resume(p))          -- resume an active one: no-op
+        say("resumed", timer.state(p))
+        ngx.sleep(0.2)
+        say("ran after resume", tostring((h.get("p") or 0) >= 2))
+        assert(timer.cancel(p))
+        -- running (the callback sleeps)
+        local r
+        r = timer.every(0.05, function()
+            h.incr("r")
+            ngx.sleep(0.1)
+        end)
+        ngx.sleep(0.08)
+        say("running", timer.state(r))
+        assert(timer.pause(r))
+        say("pause requested", timer.state(r))
+        assert(timer.resume(r))
+        say("resume while running", timer.state(r))
+        assert(timer.pause(r))
+        ngx.sleep(0.3)
+        local n1 = h.get("r")
+        ngx.sleep(0.2)
+        say("stopped after the run", tostring(h.get("r") == n1),
+            timer.state(r))
+        assert(timer.resume(r))
+        ngx.sleep(0.3)
+        say("runs again", tostring(h.get("r") > n1))
+        assert(timer.cancel(r))
+        -- one-shot paused keeps its remaining time
+        local o = timer.at(0.2, function() h.incr("o") end)
+        ngx.sleep(0.1)
+        assert(timer.pause(o))
+        ngx.sleep(0.3)
+        say("one-shot paused", tostring(h.get("o")))
+        assert(timer.resume(o))
+        ngx.sleep(0.05)
+        say("not yet", tostring(h.get("o")))
+        ngx.sleep(0.15)
+        say("fired", tostring(h.get("o")), tostring(timer.state(o)))
+        -- unknown handles
+        local ok, err = timer.pause(123)
+        say("unknown", tostring(ok), err)
+        ngx.say(table.concat(out, "\\n"))
+    """)
+    assert out.strip().split("\n") == [
+        "paused paused false",
+        "ran while paused nil",
+        "resumed pending",
+        "ran after resume true",
+        "running running",
+        "pause requested paused",
+        "resume while running running",
+        "stopped after the run true paused",
+        "runs again true",
+        "one-shot paused nil",
+        "not yet nil",
+        "fired 1 nil",
+        "unknown nil not found",
+    ], out
+
+
+PREMATURE_INIT = """
+    init_worker_by_lua_block {
+        local timer = require "resty.loom.timer"
+        local h = require "timer_helpers"
+        local pid = ngx.worker.pid()
+        local function cb(premature, tag)
+            if premature then
+                h.incr("prem:" .. tag)
+                h.incr("prem_pid:" .. pid)
+            else
+                h.incr("ran:" .. tag)
+            end
+        end
+        for i = 1, 1000 do
+            timer.at(3600, cb, "at")
+        end
+        timer.every(3600, cb, "every")
+        local p = timer.every(1800, cb, "paused")
+        timer.pause(p)
+        -- a recurring timer that is running (sleeping) at exit: it finishes
+        -- its run and does not run again
+        timer.every(0.01, function(premature)
+            if premature then
+                h.incr("prem:busy")
+                return
+            end
+            h.incr("ran:busy")
+            ngx.sleep(0.5)
+        end)
+        h.incr("workers_started")
+    }
+"""
+
+
+def test_premature_on_reload(nginx):
+    n = nginx(workers=2, http=HTTP + PREMATURE_INIT, server=RUN)
+    assert wait_for(lambda: get(n, "workers_started") == 2, 5)
+    time.sleep(0.1)
+    old = n.worker_pids()
+    t0 = time.time()
+    n.reload()
+    # the old generation had timers pending for an hour: it must exit at
+    # once, after running every pending callback with premature = true
+    assert n.wait_gone(old, 10)
+    gone_after = time.time() - t0
+    assert gone_after < 5, gone_after
+    for pid in old:
+        assert get(n, "prem_pid:%d" % pid) == 1002
+    assert get(n, "prem:at") >= 2000
+    assert get(n, "prem:every") >= 2
+    assert get(n, "prem:paused") >= 2
+    assert get(n, "ran:at") is None
+    n.wait_log(r"worker exiting: running 1002 pending timers", timeout=5)
+
+
+def test_premature_on_quit(nginx):
+    n = nginx(workers=2, http=HTTP + PREMATURE_INIT, server=RUN)
+    assert wait_for(lambda: get(n, "workers_started") == 2, 5)
+    time.sleep(0.1)
+    pids = n.worker_pids()
+    prefix = n.prefix
+    t0 = time.time()
+    n.quit(timeout=15)
+    assert time.time() - t0 < 5
+    log = open(os.path.join(prefix, "logs", "error.log")).read()
+    found = re.findall(r"worker exiting: running (\d+) pending timers", log)
+    assert sorted(found) == ["1002", "1002"], found
+    assert len(pids) == 2
+
+
+def test_patch_native_code(nginx):
+    n = nginx(workers=2, http=HTTP + """
+    init_by_lua_block {
+        require("resty.loom.timer").patch()
+    }
+    init_worker_by_lua_block {
+        -- written for native timers: self re-arming at(), every(),
+        -- premature checks, ok/err returns
+        local function rearm(premature, n)
+            if premature then
+                return
+            end
+            ngx.shared.t:incr("rearm", 1, 0)
+            if n > 1 then
+                local ok, err = ngx.timer.at(0.01, rearm, n - 1)
+                if not ok then
+                    ngx.log(ngx.ERR, "failed to create timer: ", err)
+                end
+            end
+        end
+        local ok, err = ngx.timer.at(0, rearm, 20)
+        if not ok then
+            ngx.log(ngx.ERR, "failed to create timer: ", err)
+        end
+        assert(ngx.timer.every(0.05, function(premature)
+            ngx.shared.t:incr("every", 1, 0)
+        end))
+        local ok2, err2 = pcall(ngx.timer.every, 0, function() end)
+        ngx.shared.t:set("every0", tostring(ok2))
+    }
+    """, server=RUN)
+    assert wait_for(lambda: get(n, "rearm") == 40, 5), get(n, "rearm")
+    out = run(n, """
+        local timer = require "resty.loom.timer"
+        local t0 = ngx.timer.pending_count()
+        for i = 1, 3000 do
+            assert(ngx.timer.at(60, function() end))
+        end
+        ngx.say(ngx.timer.pending_count() - t0, " ",
+                timer.native.pending_count(), " ",
+                tostring(ngx.timer.at == timer.at), " ",
+                ngx.shared.t:get("every0"))
+    """)
+    # 3000 more than the default lua_max_pending_timers of 1024 worked,
+    # and no native timer was used per job
+    diff, native_pending, same, every0 = out.split()
+    assert int(diff) == 3000
+    assert int(native_pending) <= 1
+    assert same == "true"
+    assert every0 == "false"            # every(0) raises, like native
+    assert get(n, "every") >= 2
+
+
+def test_stats_json_and_flamegraph(nginx):
+    n = nginx(workers=2, http=HTTP + """
+    init_worker_by_lua_block {
+        local timer = require "resty.loom.timer"
+        local function work()
+            local s = 0
+            for i = 1, 20000 do s = s + i end
+            return s
+        end
+        timer.every({ interval = 0.02, name = "worker-job" }, work)
+        timer.every(0.05, function() ngx.sleep(0.001) end)
+    }
+    """, server=RUN)
+    time.sleep(0.6)
+    r = n.get("/stats")
+    assert r.status == 200
+    assert r.headers["Content-Type"] == "application/json"
+    st = r.json()
+    tot = st["total"]
+    # at least the answering worker's timers are in there
+    assert tot["timers"] >= 2
+    job = tot["names"]["worker-job"]
+    assert job["runs"] >= 10
+    assert job["run_time"]["max"] >= job["run_time"]["avg"] \
+        >= job["run_time"]["min"] > 0
+    assert job["run_time"]["p99"] <= job["run_time"]["max"]
+    assert job["lateness"]["p50"] <= job["lateness"]["p99"] \
+        <= job["lateness"]["max"]
+    assert "queue_wait" in job
+    for w in st["workers"].values():
+        assert w["runners"]["alive"] >= 1
+        assert "busy" in w["threads"] and "idle" in w["runners"]
+    if st["source"] == "events":
+        assert len(st["workers"]) == 2
+
+    folded = n.get("/flamegraph.svg?format=folded").text
+    lines = [ln for ln in folded.splitlines() if ln]
+    assert lines
+    for ln in lines:
+        stack, value = ln.rsplit(" ", 1)
+        assert int(value) > 0
+        assert ";callback " in stack
+    svg = n.get("/flamegraph.svg")
+    assert svg.headers["Content-Type"] == "image/svg+xml"
+    root = ET.fromstring(svg.body)
+    ns = "{http://www.w3.org/2000/svg}"
+    assert root.tag == ns + "svg"
+    titles = [t.text for t in root.iter(ns + "title")]
+    assert any(t.startswith("all ") for t in titles)
+    assert any("callback " in t for t in titles)
+    assert not list(root.iter(ns + "script"))
+    assert b"http://" not in svg.body.replace(
+        b"http://www.w3.org/2000/svg", b"")
+    bad = n.get("/flamegraph.svg?metric=nope")
+    assert bad.status == 400
