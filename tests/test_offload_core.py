@@ -492,3 +492,23 @@ def test_soak_rss_flat(nginx):
     assert s["running"] == 0 and s["queued"] == 0
     # 800,000 calls after the warm-up: no growth beyond allocator noise
     assert after - before < 2048, (before, after)
+
+
+def test_quit_with_abandoned_call(nginx):
+    # a call whose client went away while a runtime thread still holds it:
+    # at exit its semaphore goes back to lua-nginx-module (no "sema mm"
+    # alert), and the worker does not wait for the stuck answer
+    n = start(nginx, workers=1, threads=1, grace=1,
+              http="lua_check_client_abort on;")
+    s = socket.create_connection(("127.0.0.1", n.port))
+    s.sendall(b"GET /call?p=stuck%205000 HTTP/1.1\r\nHost: x\r\n\r\n")
+    time.sleep(0.2)
+    s.close()
+    deadline = time.time() + 5
+    while stats(n)["aborted"] != 1 and time.time() < deadline:
+        time.sleep(0.05)
+    assert stats(n)["aborted"] == 1
+    t0 = time.time()
+    n.quit(timeout=30)
+    assert time.time() - t0 < 5
+    assert "sema mm" not in n.error_log()

@@ -286,16 +286,19 @@ local function inbox_len(self)
 end
 
 
-local function inbox_push(self, source, event, data, wid, latency)
+local SLOTS = 6
+
+local function inbox_push(self, source, event, data, wid, latency, pid)
     local t = self.inbox_tail + 1
     self.inbox_tail = t
     local box = self.inbox
-    local i = (t - 1) * 5
+    local i = (t - 1) * SLOTS
     box[i + 1] = source
     box[i + 2] = event
     box[i + 3] = data
     box[i + 4] = wid
     box[i + 5] = latency
+    box[i + 6] = pid
     self.isema:post(1)
 end
 
@@ -306,26 +309,27 @@ local function inbox_pop(self)
         return nil
     end
     local box = self.inbox
-    local i = (h - 1) * 5
-    local source, event, data, wid, latency =
-        box[i + 1], box[i + 2], box[i + 3], box[i + 4], box[i + 5]
-    box[i + 1], box[i + 2], box[i + 3], box[i + 4], box[i + 5] =
-        nil, nil, nil, nil, nil
+    local i = (h - 1) * SLOTS
+    local source, event, data, wid, latency, pid =
+        box[i + 1], box[i + 2], box[i + 3], box[i + 4], box[i + 5],
+        box[i + 6]
+    box[i + 1], box[i + 2], box[i + 3], box[i + 4], box[i + 5],
+        box[i + 6] = nil, nil, nil, nil, nil, nil
     if h == self.inbox_tail then
         self.inbox_head = 1
         self.inbox_tail = 0
     else
         self.inbox_head = h + 1
     end
-    return source, event, data, wid, latency
+    return source, event, data, wid, latency, pid
 end
 
 
 -- dispatch ---------------------------------------------------------------
 
-local function run_handler(self, sub, data, event, source, wid)
+local function run_handler(self, sub, data, event, source, wid, pid)
     self.counters.handler_calls = self.counters.handler_calls + 1
-    local ok, err = xpcall(sub.fn, traceback, data, event, source, wid)
+    local ok, err = xpcall(sub.fn, traceback, data, event, source, wid, pid)
     if not ok then
         self.counters.handler_errors = self.counters.handler_errors + 1
         log(ERR, "handler for source=", source, " event=", event,
@@ -359,7 +363,7 @@ local function handle_internal(self, event, data, wid)
 end
 
 
-local function dispatch(self, source, event, data, wid)
+local function dispatch(self, source, event, data, wid, pid)
     if source == INTERNAL then
         return handle_internal(self, event, data, wid)
     end
@@ -369,9 +373,28 @@ local function dispatch(self, source, event, data, wid)
         local sub = self.subs[id]
         if sub and (sub.source == "*" or sub.source == source)
            and (sub.event == "*" or sub.event == event) then
-            run_handler(self, sub, data, event, source, wid)
+            run_handler(self, sub, data, event, source, wid, pid)
         end
     end
+end
+
+
+-- runs the handlers of the next event in the inbox; false when empty
+local function dispatch_next(self)
+    local source, event, data, wid, latency, pid = inbox_pop(self)
+    if not source then
+        return false
+    end
+    if latency then
+        self.latency:record(mono() - latency)
+    end
+    if self.rwaiters > 0 then
+        self.rspace:post(1)
+    end
+    self.dispatching = true
+    dispatch(self, source, event, data, wid, pid)
+    self.dispatching = false
+    return true
 end
 
 
@@ -380,16 +403,7 @@ local function handler_loop(premature, self)
         return
     end
     while true do
-        local source, event, data, wid, latency = inbox_pop(self)
-        if source then
-            if latency then
-                self.latency:record(mono() - latency)
-            end
-            if self.rwaiters > 0 then
-                self.rspace:post(1)
-            end
-            dispatch(self, source, event, data, wid)
-        else
+        if not dispatch_next(self) then
             if worker_exiting() and not self.connected then
                 return
             end
@@ -455,8 +469,7 @@ local function receive_event(self, seq, p, len)
     if not ok then
         return nil, "undecodable event"
     end
-    local wid = e.publisher
-    inbox_push(self, source, event, data, wid, e.published_at)
+    inbox_push(self, source, event, data, e.publisher, e.published_at, e.pid)
     return true
 end
 
@@ -969,7 +982,7 @@ function _M.publish(self, target, source, event, data)
     local stats = self.counters.published
     if kind == LOCAL then
         -- asynchronous, in this worker only; data is not copied
-        inbox_push(self, source, event, data, self.worker, nil)
+        inbox_push(self, source, event, data, self.worker, nil, self.pid)
         count(stats, "current")
         return true
     end
@@ -1060,6 +1073,20 @@ function _M.on_gap(self, fn)
         error("fn must be a function", 2)
     end
     self.gap_hooks[#self.gap_hooks + 1] = fn
+end
+
+
+-- Runs the handlers of every event already received, in the caller's
+-- context. Returns "done", or "recursive" when called from a handler.
+-- (Handlers also run on their own; this is for code that wants them now.)
+function _M.poll(self)
+    if self.dispatching then
+        return "recursive"
+    end
+    while dispatch_next(self) do
+        -- keep going until the inbox is empty
+    end
+    return "done"
 end
 
 
