@@ -65,3 +65,68 @@ def test_payload_16mib_and_too_large(nginx):
     r = n.get("/ev/pub?target=all&n=1&size=%d" % (21 * 1024 * 1024),
               timeout=30).json()
     assert r["ok"] == 0 and r["errors"] == {"payload too large": 1}
+
+
+def test_handler_error_logged_with_site_and_delivery_goes_on(nginx):
+    n = nginx(workers=2, http=ec.http(extra_worker="""
+        local bus = require("resty.loom.events").get()
+        bus:subscribe("test", "e", function(data)
+            if data.n %% 2 == 0 then error("even numbers hurt") end
+        end)
+    """.replace("%%", "%")), server=ec.SERVER)
+    n.allow_log(r"even numbers hurt")
+    ec.wait_ready(n)
+    r = n.get("/ev/pub?target=all&n=10").json()
+    assert r["ok"] == 10
+    st = ec.wait_totals(n, {0: 10, 1: 10})
+    for s in st.values():
+        assert s["stats"]["handler_errors"] == 5
+    lines = [x for x in n.error_log().splitlines() if "even numbers" in x]
+    assert len(lines) == 10
+    # the traceback and where the handler was subscribed
+    assert all("subscribed at init_worker_by_lua" in x for x in lines)
+    assert "stack traceback" in n.error_log()
+
+
+def test_latency_and_stats_shape(nginx):
+    n = start(nginx, workers=2)
+    n.get("/ev/pub?target=all&n=200")
+    st = ec.wait_totals(n, {0: 200, 1: 200})
+    for s in st.values():
+        lat = s["stats"]["latency"]
+        assert lat["count"] >= 200
+        assert 0 < lat["p50"] <= lat["p99"] <= lat["max"] < 5
+    pub = [s for s in st.values() if s["stats"]["published"]]
+    assert sum(s["stats"]["published"]["all"] for s in pub) >= 200
+
+
+def test_privileged_agent_target(nginx):
+    import pytest
+    try:
+        n = nginx(workers=2, http=ec.http(
+            "privileged_agent = true",
+            extra_init='assert(require("ngx.process")'
+                       '.enable_privileged_agent())'),
+            server=ec.SERVER)
+    except RuntimeError as e:
+        if "missing privileged agent process patch" in str(e):
+            pytest.skip("this nginx lacks OpenResty's privileged agent "
+                        "patch (Debian's nginx does)")
+        raise
+    deadline = __import__("time").time() + 10
+    while True:
+        r = n.get("/ev/collect")
+        if r.status == 200 and len(r.json()) == 3 and \
+                all(v["ready"] for v in r.json().values()):
+            break
+        assert __import__("time").time() < deadline, r.text
+    r = n.get("/ev/pub?target=agent&n=3&source=ag").json()
+    assert r["ok"] == 3
+    r = n.get("/ev/pub?target=all&n=2&source=al").json()
+    deadline = __import__("time").time() + 10
+    while True:
+        got = n.get("/ev/collect").json()
+        if got["-1"]["total"] == 5 or __import__("time").time() > deadline:
+            break
+    assert got["-1"]["total"] == 5
+    assert got["0"]["total"] == 2 and got["1"]["total"] == 2

@@ -8,7 +8,6 @@ same "<op>:<argument>" payloads (see runtimes/rust/examples/cache.rs).
 
 import os
 import re
-import signal
 import subprocess
 import threading
 import time
@@ -38,6 +37,8 @@ LOCATIONS = """
         require("offload_rt_common").soak() } }
     location /stats { content_by_lua_block {
         require("offload_rt_common").stats() } }
+    location /state { content_by_lua_block {
+        require("offload_rt_common").state() } }
     location /exec { content_by_lua_block {
         require("offload_rt_common").exec() } }
     location /logphase {
@@ -199,15 +200,11 @@ class RuntimeSuite:
 
     def test_timeout_cancels_the_call(self, nginx):
         n = self.start(nginx, threads=1)
-        t0 = time.monotonic()
-        assert self.call(n, "sleep:5000", timeout=0.2) == (
+        assert self.call(n, "sleep:60000", timeout=0.2) == (
             500, b"ERR timeout")
-        assert time.monotonic() - t0 < 2
-        # the only thread saw the cancellation and stopped sleeping, so
-        # the next call is served long before the 5 s are over
-        t0 = time.monotonic()
-        assert self.call(n, "echo:after", timeout=3) == (200, b"after")
-        assert time.monotonic() - t0 < 2.5
+        # the only thread saw the cancellation and stopped sleeping: the
+        # next call is served within its 10 s, not after the 60 s
+        assert self.call(n, "echo:after", timeout=10) == (200, b"after")
         stats = n.get("/stats?rt=%s" % self.NAME).json()
         assert stats["timeouts"] == 1
 
@@ -322,12 +319,12 @@ class RuntimeSuite:
 
         def stuck():
             try:
-                result.append(self.call(n, "stuck:60000", timeout=120,
+                result.append(self.call(n, "stuck:600000", timeout=900,
                                         http_timeout=60))
             except Exception as e:      # connection closed at exit
                 result.append(e)
 
-        t = threading.Thread(target=stuck)
+        t = threading.Thread(target=stuck, daemon=True)
         t.start()
         deadline = time.time() + 5
         while time.time() < deadline:
@@ -336,13 +333,11 @@ class RuntimeSuite:
             time.sleep(0.02)
         else:
             raise AssertionError("the stuck call never started")
-        t0 = time.monotonic()
+        # the call sleeps 10 minutes and nginx would wait 60 s: quit()
+        # returning within its 30 s shows the grace period ended the call
         n.quit(timeout=30)
-        took = time.monotonic() - t0
+        assert n.wait_gone([pid], 5)
         t.join(10)
-        assert took < 5, took
-        assert not os.path.exists("/proc/%d/status" % pid) or \
-            n.wait_gone([pid], 5)
         assert result and result[0] == (500, b"ERR closed"), result
 
 

@@ -15,7 +15,7 @@ location = /run {
     content_by_lua_block {
         ngx.req.read_body()
         local f = assert(loadstring(ngx.var.arg_code or
-                                    ngx.req.get_body_data()))
+                                    ngx.req.get_body_data(), "=run"))
         local ok, err = pcall(f)
         if not ok then
             ngx.status = 500
@@ -243,8 +243,10 @@ def test_errors_traceback_and_site(nginx):
     assert m
     log = n.error_log()
     line = [ln for ln in log.splitlines() if "boom: one" in ln][0]
-    assert re.search(r"timer created at content_by_lua\(nginx\.conf:\d+\):"
-                     r"\d+ failed", line), line
+    assert re.search(r"timer created at run:6 failed", line), line
+    # sites are cached per callback function: "two" shares "one"'s site
+    line = [ln for ln in log.splitlines() if "boom: two" in ln][0]
+    assert re.search(r"timer created at run:6 \(name", line), line
     assert "stack traceback" in log
     assert 'name "named-bad"' in log
     time.sleep(0.3)
@@ -255,6 +257,28 @@ def test_errors_traceback_and_site(nginx):
     assert "boom: two" in w["names"]["named-bad"]["last_error"]
     sites = [s for s in w["sites"].values() if s["errors"] >= 2]
     assert sites and "attempt to index" in sites[0]["last_error"]
+
+
+def test_precise_sites(nginx):
+    n = nginx(workers=1, http=HTTP + """
+    init_by_lua_block {
+        require("resty.loom.timer").configure({ precise_sites = true })
+    }
+    """, server=RUN)
+    n.allow_log(r"\[loom\.timer\] timer created at")
+    run(n, """
+        local timer = require "resty.loom.timer"
+        local function explode(p, what)
+            error("boom: " .. what)
+        end
+        timer.at(0.01, explode, "one")
+        timer.at(0.01, explode, "two")
+    """)
+    n.wait_log(r"boom: two", timeout=5)
+    n.wait_log(r"boom: one", timeout=5)
+    log = n.error_log()
+    assert re.search(r"timer created at run:6 failed: run:4: boom: one", log)
+    assert re.search(r"timer created at run:7 failed: run:4: boom: two", log)
 
 
 def test_names_duplicate_and_replace(nginx):

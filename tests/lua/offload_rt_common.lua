@@ -154,6 +154,13 @@ function _M.stats()
 end
 
 
+-- GET /state?rt=<name>: rt:state()
+function _M.state()
+    local rt = get(ngx_var.arg_rt)
+    ngx_say(rt:state())
+end
+
+
 -- GET /exec?n=<times>: os.execute("exit 3") n times while the runtime
 -- is loaded; prints the distinct statuses ("768" when the shell's exit
 -- status reached us, "-1" when something else reaped the child).
