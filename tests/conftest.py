@@ -6,6 +6,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 from loomtest.nginx import Nginx  # noqa: E402
+from loomtest.gateway import Gateway  # noqa: E402
 
 
 @pytest.fixture
@@ -49,3 +50,16 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     rep = outcome.get_result()
     setattr(item, "rep_" + rep.when, rep)
+
+
+@pytest.fixture
+def gateway():
+    """The example gateway on a free port; its log is checked at teardown
+    like the nginx fixture's."""
+    g = Gateway().start()
+    yield g
+    g.stop()
+    bad = g.bad_log_lines()
+    if bad:
+        pytest.fail("unexpected gateway log lines:\n" + "\n".join(bad[:20]),
+                    pytrace=False)

@@ -174,7 +174,7 @@ def test_out_of_fds_listener_stays_pinned(nginx):
     import socket
     n = nginx(workers=2, main="worker_rlimit_nofile 64;",
               http=ec.http(), server=ec.SERVER + """
-        location /hold { content_by_lua_block { ngx.sleep(3) } }
+        location /hold { content_by_lua_block { ngx.sleep(1.5) } }
     """)
     n.allow_log(r"Too many open files")
     ec.wait_ready(n)
@@ -191,7 +191,9 @@ def test_out_of_fds_listener_stays_pinned(nginx):
     n.wait_log(r"Too many open files", timeout=10)
     for s in socks:
         s.close()
-    time.sleep(1.0)
+    # let the held requests end and nginx's back-off timer re-enable the
+    # listeners (quitting during the back-off makes nginx itself log EBADF)
+    time.sleep(2.5)
     r = n.get("/ev/pub?target=all&n=25").json()
     assert r["ok"] == 25
     ec.wait_totals(n, {0: 25, 1: 25})

@@ -38,6 +38,8 @@ def test_drop_oldest_policy(nginx):
         # every drop is visible to the subscribers as a gap
         assert s["stats"]["gaps"] == 900
         assert s["order_errors"] == 1
+        # and the resync hook heard of it
+        assert s["gap_calls"] == {str(r["worker"]): 900}
     assert n.error_log().count("queue full: dropped the oldest") == 1
     assert n.error_log().count("gap: 900 event(s)") == 2
 

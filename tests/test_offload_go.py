@@ -5,7 +5,7 @@ is special about Go (its runtime's threads and signal handlers)."""
 import os
 import re
 
-from test_offload_rust import ROOT, RuntimeSuite, thread_names
+from test_offload_rust import ROOT, SOAK_CALLS, RuntimeSuite, thread_names
 
 
 def signal_handlers(pid):
@@ -22,8 +22,9 @@ class TestGo(RuntimeSuite):
     NAME = "go"
     LIB = os.path.join(ROOT, "runtimes/go/build/libloom_rt_go_example.so")
     CONFIG = "mode=ops"
-    PANIC_RE = r"^ERR runtime error: panic at .*/examples/cache/main\.go:\d+: boom$"
-    SOAK = 1000000
+    PANIC_RE = (r"^ERR runtime error: panic at .*/examples/cache/main\.go:\d+:"
+                r" boom$")
+    SOAK = SOAK_CALLS
     # Go's runtime unblocks SIGCHLD on every thread it creates; the
     # package wraps nginx's SIGCHLD handler so that it forwards the signal
     # to the main thread (without that, os.execute() got -1 in 14-34% of

@@ -4,7 +4,7 @@ loader) through real nginx: the shared RuntimeSuite
 
 import os
 
-from test_offload_rust import ROOT, RuntimeSuite
+from test_offload_rust import ROOT, SOAK_CALLS, RuntimeSuite
 
 EXAMPLES = os.path.join(ROOT, "runtimes/python/examples")
 PY_TESTS = os.path.join(ROOT, "runtimes/python/tests")
@@ -19,7 +19,7 @@ class TestPython(RuntimeSuite):
                 r"Traceback \(most recent call last\):\n"
                 r".*loom_example\.py\", line \d+, in handle\n"
                 r".*\nValueError: boom$")
-    SOAK = 1000000
+    SOAK = SOAK_CALLS
     ECHO_CONFIG = "path=%s module=loom_example function=echo" % EXAMPLES
 
     def test_returned_error(self, nginx):

@@ -17,6 +17,9 @@ import pytest
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 
+# sequential calls in each runtime's soak test (LOOM_OFFLOAD_SOAK to change)
+SOAK_CALLS = int(os.environ.get("LOOM_OFFLOAD_SOAK", "1000000"))
+
 # os.execute("exit 3") returns the raw wait status
 EXIT3_STATUS = 3 << 8
 
@@ -93,7 +96,7 @@ class RuntimeSuite:
     CONFIG = ""          # configuration string for the "ops" example
     PANIC_RE = None      # what a "panic:boom" payload gives
     PANIC_OP = "panic:"  # the op that panics / raises
-    SOAK = 100000        # sequential calls in the soak test
+    SOAK = SOAK_CALLS    # sequential calls in the soak test
     ECHO_CONFIG = "mode=echo"  # an instance answering with the payload
     # signals of NGINX_SIGNALS a runtime's threads may leave unblocked
     # because the runtime forwards them to nginx's main thread
@@ -140,6 +143,14 @@ class RuntimeSuite:
         r = n.get("%s%srt=%s" % (path, sep, self.NAME), **kw)
         assert r.status == 200, r
         return r.text
+
+    def test_unit_tests_against_a_mock_host(self):
+        # the runtime's own tests (make test: cargo test, go test, or the
+        # C mock host for Python), without nginx
+        res = subprocess.run(
+            ["make", "-s", "-C", os.path.dirname(os.path.dirname(self.LIB)),
+             "test"], capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
 
     # -- results and state ---------------------------------------------------
 
@@ -309,6 +320,35 @@ class RuntimeSuite:
         assert n.wait_gone(old, timeout=15)
         assert self.call(n, "echo:new") == (200, b"new")
 
+    def test_reload_closes_calls_past_the_grace_period(self, nginx):
+        n = self.start(nginx, workers=1, threads=2, opts="grace = 0.3",
+                       shutdown_timeout="60s")
+        old = n.worker_pids()
+        results = []
+
+        def slow():
+            results.append(self.call(n, "sleep:600000", timeout=900))
+
+        ts = [threading.Thread(target=slow, daemon=True) for _ in range(4)]
+        for t in ts:
+            t.start()
+        deadline = time.time() + 5
+        while time.time() < deadline:
+            st = n.get("/stats?rt=%s" % self.NAME).json()
+            if st["running"] + st["queued"] == 4:
+                break
+            time.sleep(0.02)
+        else:
+            raise AssertionError("the calls never got in flight")
+        n.reload()
+        for t in ts:
+            t.join(30)
+        # the old worker closed its queue after 0.3 s: every call got
+        # "closed" (the runtime saw them cancelled), and the worker left
+        assert results == [(500, b"ERR closed")] * 4, results
+        assert n.wait_gone(old, timeout=15)
+        assert self.call(n, "echo:new") == (200, b"new")
+
     def test_quit_with_a_stuck_call(self, nginx):
         # nginx's own worker_shutdown_timeout is far away: only the
         # runtime's grace period can end the stuck call
@@ -347,7 +387,7 @@ class TestRust(RuntimeSuite):
     CONFIG = "mode=ops"
     PANIC_RE = (r"^ERR runtime error: panicked at examples/cache\.rs:\d+:\d+:"
                 r" boom$")
-    SOAK = 1000000
+    SOAK = SOAK_CALLS
 
     def test_threads_are_named(self, nginx):
         n = self.start(nginx, threads=3)

@@ -11,6 +11,7 @@ local last_n = {}       -- publisher -> last n seen (ordering check)
 local order_errors = 0
 local total = 0
 local sizes = {}
+local gap_calls = {}    -- publisher -> missing events reported to on_gap
 
 
 function _M.init(opts)
@@ -29,6 +30,7 @@ local function state()
         total = total,
         order_errors = order_errors,
         sizes = sizes,
+        gap_calls = gap_calls,
         ready = bus:is_ready(),
         stats = bus:stats(),
     }
@@ -43,6 +45,10 @@ function _M.init_worker()
         ngx.log(ngx.ERR, "events init_worker failed: ", err)
         return
     end
+    bus:on_gap(function(publisher, missing)
+        local k = tostring(publisher)
+        gap_calls[k] = (gap_calls[k] or 0) + missing
+    end)
     bus:subscribe("*", "*", function(data, event, source, wid)
         total = total + 1
         local k = tostring(wid) .. ":" .. source .. ":" .. event

@@ -48,6 +48,7 @@ local T_PING = frame.PING
 local T_PONG = frame.PONG
 local T_REJECT = frame.REJECT
 local T_HELLO = frame.HELLO
+local T_BYE = frame.BYE
 local FLAG_MORE = frame.FLAG_MORE
 local FRAME_SIZE = frame.FRAME_SIZE
 local EVENT_SIZE = frame.EVENT_SIZE
@@ -497,10 +498,10 @@ end
 local function reader(self, sock)
     local rbuf = buf_new(READ_SIZE)
     local partial, partial_seq
-    local idle = 0
     local max_frame = frame.CHUNK
     local max_event = self.opts.max_payload + EVENT_SIZE + UNIQUE_KEY_MAX
-    sock:settimeout(self.opts.heartbeat * 1000)
+    -- the broker answers our pings: silence this long means it is gone
+    sock:settimeout(self.opts.heartbeat * 3000)
 
     while true do
         -- back-pressure: stop reading while the handlers are behind
@@ -512,18 +513,9 @@ local function reader(self, sock)
 
         local data, err = sock:receiveany(READ_SIZE)
         if not data then
-            if err ~= "timeout" then
-                return nil, err
-            end
-            idle = idle + 1
-            if idle >= 3 then
-                return nil, "broker heartbeat timeout"
-            end
-            if self.stopping then
-                return true
-            end
+            return nil, err == "timeout" and "broker heartbeat timeout"
+                        or err
         else
-            idle = 0
             rbuf:put(data)
             while true do
                 local h, pp, size = frame.peek(rbuf, max_frame)
@@ -594,6 +586,12 @@ local function writer(self, sock, link)
     while true do
         if #self.unsent == 0 then
             if self.stopping then
+                local out = buf_new(FRAME_SIZE)
+                frame.put_header(out, T_BYE, 0, 0, 0)
+                local ok, err = sock:send(out:get())
+                if not ok then
+                    return nil, "failed to send: " .. err
+                end
                 return true
             end
             self.wsema:wait(hb / 2)

@@ -47,6 +47,8 @@ local xpcall = xpcall
 local traceback = debug.traceback
 local error = error
 local setmetatable = setmetatable
+local concat = table.concat
+local tab_new = require "table.new"
 
 local LOG_TAG = "[loom.publish] "
 local MAX_MESSAGES = 1000             -- per publish request
@@ -56,6 +58,7 @@ local MAX_KEY_BYTES = 256
 local MAX_VALUE_BYTES = 1024
 local MAX_ORDERING_KEY_BYTES = 1024
 local ENVELOPE = #'{"messages":[]}'
+local RECYCLE_BYTES = 2 * 1024 * 1024   -- keep batch buffers up to this
 local IDLE_WAIT = 2
 local EXIT_WATCH = 3600
 
@@ -203,11 +206,21 @@ end
 
 
 local function new_batch(self, q, now)
+    local free = self.free_bufs
+    local nfree = #free
+    local buf
+    if nfree > 0 then
+        buf = free[nfree]
+        free[nfree] = nil
+    else
+        buf = buf_new(65536)
+    end
+    local cap = self.batch_max_messages
     local b = {
         q = q,
-        buf = buf_new(4096),
-        lens = {},
-        times = {},
+        buf = buf,
+        lens = tab_new(cap, 0),
+        times = tab_new(cap, 0),
         head = 1,
         total = 0,          -- messages ever added (index of the last)
         n = 0,              -- live messages
@@ -507,6 +520,9 @@ end
 
 local function report_failure(self, q, body, n, reason, attempts, status)
     self.failed = self.failed + n
+    if type(body) == "table" then
+        body = concat(body)
+    end
     if self.on_error then
         call(self, self.on_error, decode_messages(body), reason, {
             topic = self.topic, ordering_key = q.key ~= "" and q.key or nil,
@@ -561,13 +577,15 @@ local function dispatch(self, b)
     self.batches = self.batches + 1
     self.batched_messages = self.batched_messages + n
 
-    local req = self.req
-    req:reset()
-    b.buf:skip(1)     -- the first message's leading comma
-    req:put('{"messages":[', b.buf, ']}')
-    local body = req:tostring()
-    req:reset()
+    local buf = b.buf
+    buf:skip(1)     -- the first message's leading comma
+    local body = { '{"messages":[', buf:tostring(), ']}' }
     b.buf = nil
+    buf:reset()
+    local free = self.free_bufs
+    if bytes <= RECYCLE_BYTES and #free < self.concurrency + 2 then
+        free[#free + 1] = buf
+    end
 
     local first = ngx_now()
     local deadline = first + self.retry_deadline
@@ -1096,7 +1114,7 @@ function _M.new(opts)
         sealed = fifo_new(),     -- batches ready to go
         sema = semaphore.new(0),
         scratch = buf_new(2048),
-        req = buf_new(65536),
+        free_bufs = {},
         running = false,
         exiting = false,
         exit_deadline = nil,

@@ -76,6 +76,7 @@ local DEFAULTS = {
     stats = true,
     max_names = 1000,
     fresh_ctx = false,
+    precise_sites = false,
 }
 
 
@@ -142,6 +143,7 @@ local function engine()
             stats = cfg.stats,
             max_names = cfg.max_names,
             max_run_time = cfg.max_run_time or nil,
+            precise_sites = cfg.precise_sites,
         })
         if cfg.fresh_ctx then
             eng.pre_run = fresh_ctx
@@ -171,16 +173,17 @@ end
 
 
 -- one pass of the dispatcher: spawn lanes while work is queued; returns
--- false when the runner should hand over
+-- "handover" when the runner should hand over to a fresh one, "bound" when
+-- the lane bound stops it (live lanes keep draining the queue), else nil
 local function dispatch(r, e)
     while e:queued() > 0 do
         if threads >= cfg.max_running then
             counters.thread_bound_hits = counters.thread_bound_hits + 1
-            return true
+            return "bound"
         end
         if r.spawns >= cfg.runner_spawns and not exiting then
             if nrunners < cfg.max_runners then
-                return false
+                return "handover"
             end
             counters.runner_bound_hits = counters.runner_bound_hits + 1
         end
@@ -194,10 +197,10 @@ local function dispatch(r, e)
             threads = threads - 1
             ngx_log(ERR, "[loom.timer] failed to spawn a runner thread: ",
                     err)
-            return true
+            return "bound"
         end
     end
-    return true
+    return nil
 end
 
 
@@ -269,15 +272,22 @@ runner_main = function(premature, rid)
         if not exiting then
             e:advance(clock())
         end
-        if not dispatch(r, e) then
+        local res = dispatch(r, e)
+        if res == "handover" then
             handover = true
             break
         end
-        if exiting and e:queued() == 0 then
+        if exiting and (e:queued() == 0 or res == "bound") then
             break
         end
 
-        local w = e:next_wake()
+        -- when bounded, the live lanes drain the queue: wait for the wheel
+        local w
+        if res == "bound" then
+            w = e:next_deadline()
+        else
+            w = e:next_wake()
+        end
         local timeout
         if w == nil then
             timeout = IDLE_SLEEP
@@ -288,6 +298,8 @@ runner_main = function(premature, rid)
         end
         if timeout > 0 then
             sema:wait(timeout)
+        elseif res == "bound" then
+            sema:wait(0.001)
         end
         e.sleep_until = nil
     end
@@ -689,10 +701,11 @@ function _M.serve_flamegraph()
         return
     end
     ngx.header["Content-Type"] = "image/svg+xml"
-    ngx.print(flamegraph.svg(folded, {
+    local svg = flamegraph.svg(folded, {
         title = "resty.loom.timer: " .. metric,
         unit = metric == "run_time" and "us" or metric,
-    }))
+    })
+    ngx.print(svg)
 end
 
 

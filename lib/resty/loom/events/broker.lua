@@ -38,6 +38,7 @@ local T_ACK = frame.ACK
 local T_PING = frame.PING
 local T_PONG = frame.PONG
 local T_REJECT = frame.REJECT
+local T_BYE = frame.BYE
 local FLAG_MORE = frame.FLAG_MORE
 local FRAME_SIZE = frame.FRAME_SIZE
 local EVENT_SIZE = frame.EVENT_SIZE
@@ -337,26 +338,15 @@ local function reader(bus, b, c)
     local max_frame = frame.CHUNK
     local partial = nil
     local partial_seq
-    local idle = 0
 
-    sock:settimeout(opts.heartbeat * 1000)
+    -- clients ping twice per heartbeat: silence this long means trouble
+    sock:settimeout(opts.heartbeat * 3000)
 
     while true do
         local data, err = sock:receiveany(READ_SIZE)
         if not data then
-            if err ~= "timeout" then
-                return nil, err
-            end
-            idle = idle + 1
-            if idle >= 3 then
-                return nil, "heartbeat timeout"
-            end
-            if ngx.worker.exiting() and c.closed then
-                return true
-            end
-
+            return nil, err == "timeout" and "heartbeat timeout" or err
         else
-            idle = 0
             rbuf:put(data)
             while true do
                 local h, pp, size = frame.peek(rbuf, max_frame)
@@ -399,6 +389,11 @@ local function reader(bus, b, c)
                 elseif typ == T_PING then
                     frame.put_header(c.q.buf, T_PONG, 0, 0, h.seq)
                     c.q.data_sema:post(1)
+
+                elseif typ == T_BYE then
+                    -- the worker is leaving and has sent all it had; it
+                    -- reads until we close
+                    return true
 
                 elseif typ ~= T_ACK and typ ~= T_PONG then
                     -- (the client never acks the broker; a stray ack or

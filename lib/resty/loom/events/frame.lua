@@ -52,7 +52,8 @@ local T_ACK = 4
 local T_PING = 5
 local T_PONG = 6
 local T_REJECT = 7
-local T_MAX = 7
+local T_BYE = 8
+local T_MAX = 8
 
 -- reused scratch buffer for event bodies (the worker is single-threaded)
 local body = buf_new(4096)
@@ -72,6 +73,7 @@ local _M = {
     PING = T_PING,
     PONG = T_PONG,
     REJECT = T_REJECT,
+    BYE = T_BYE,
     -- targets other than a worker id (>= 0); -1 is the privileged agent
     AGENT = -1,
     ALL = -2,

@@ -92,9 +92,8 @@ local _M = {
 local mt = { __index = _M }
 
 
-local function on_error(err)
-    return traceback(tostring(err), 2)
-end
+-- the traceback starts at the frame that raised the error
+local on_error = traceback
 
 
 local function default_log(_, msg)
@@ -134,6 +133,7 @@ function _M.new(opts)
         log = opts.log or default_log,
         random = opts.random or random,
         with_stats = opts.stats ~= false,
+        precise_sites = opts.precise_sites and true or false,
         max_rt = max_rt and max_rt * 1e6 or nil,
         max_names = max_names,
         sleep_until = nil,          -- set by the driver while it sleeps
@@ -335,10 +335,17 @@ local function is_ours(src)
 end
 
 
+-- the statistics record of the place that created a timer. Without
+-- precise_sites the place is looked up once per callback function (the
+-- first creation with it) and cached, which keeps at() JIT-compiled.
 local function site_for(self, cb)
-    local rec = self.site_by_cb[cb]
-    if rec then
-        return rec
+    local precise = self.precise_sites
+    local rec
+    if not precise then
+        rec = self.site_by_cb[cb]
+        if rec then
+            return rec
+        end
     end
     local level = 3
     local info = getinfo(level, "Sl")
@@ -370,7 +377,9 @@ local function site_for(self, cb)
         rec.stack = tbl_concat(folded, ";")
         self.sites[key] = rec
     end
-    self.site_by_cb[cb] = rec
+    if not precise then
+        self.site_by_cb[cb] = rec
+    end
     return rec
 end
 
@@ -695,6 +704,16 @@ function _M.next_wake(self)
     if self.qt >= self.qh then
         return 0
     end
+    local t = self.wheel:next_tick()
+    if t then
+        return t * self.res
+    end
+    return nil
+end
+
+
+-- the next wheel deadline (us) only, ignoring the ready queue
+function _M.next_deadline(self)
     local t = self.wheel:next_tick()
     if t then
         return t * self.res

@@ -1,0 +1,111 @@
+-- The example gateway's publisher: one topic on the Pub/Sub emulator named
+-- by PUBSUB_EMULATOR_HOST (the topic is created at start). Without the
+-- variable the gateway runs and GET /loom/publish says publishing is off.
+
+
+local cjson = require "cjson.safe"
+local http = require "resty.loom.http"
+local publish = require "resty.loom.publish"
+
+local PROJECT = "loom-gateway"
+local TOPIC = "gateway-requests"
+
+local _M = {}
+
+local emulator = os.getenv("PUBSUB_EMULATOR_HOST")
+if emulator == "" then
+    emulator = nil
+end
+
+local p
+local off_reason = "PUBSUB_EMULATOR_HOST is not set: publishing is off"
+
+
+local function create_topic(premature)
+    if premature then
+        return
+    end
+    local res, err = http.request_uri("http://" .. emulator .. "/v1/projects/"
+        .. PROJECT .. "/topics/" .. TOPIC, {
+            method = "PUT", body = "{}", timeout = 5,
+            headers = { ["Content-Type"] = "application/json" },
+        })
+    if not res then
+        ngx.log(ngx.WARN, "[gateway.publish] cannot create topic: ", err)
+    elseif res.status ~= 200 and res.status ~= 409 then
+        ngx.log(ngx.WARN, "[gateway.publish] cannot create topic: status ",
+                res.status)
+    end
+end
+
+
+function _M.init_worker()
+    if not emulator then
+        ngx.log(ngx.NOTICE, "[gateway.publish] ", off_reason)
+        return
+    end
+    p = publish.new({
+        project = PROJECT,
+        topic = TOPIC,
+        emulator_host = emulator,
+        batch_max_delay = 0.05,
+        on_error = function(msgs, reason)
+            ngx.log(ngx.WARN, "[gateway.publish] ", #msgs,
+                    " messages failed: ", reason)
+        end,
+    })
+    if ngx.worker.id() == 0 then
+        ngx.timer.at(0, create_topic)
+    end
+end
+
+
+local function message()
+    local attrs = {
+        method = ngx.req.get_method(),
+        path = ngx.var.uri,
+        worker = tostring(ngx.worker.id()),
+    }
+    local ua = ngx.var.http_user_agent
+    if ua and #ua <= 1024 then
+        attrs.user_agent = ua
+    end
+    return attrs
+end
+
+
+-- for log_by_lua: one message per request, never blocking the request
+function _M.log()
+    if p then
+        p:send(ngx.var.request_uri or "", message())
+    end
+end
+
+
+function _M.send()
+    if not p then
+        ngx.status = 503
+        ngx.say(cjson.encode({ enabled = false, reason = off_reason }))
+        return
+    end
+    ngx.req.read_body()
+    local body = ngx.req.get_body_data() or ngx.var.request_uri
+    local ok, err = p:send(body, message())
+    ngx.status = ok and 202 or 400
+    ngx.say(cjson.encode({ queued = ok or false, error = err }))
+end
+
+
+function _M.stats()
+    if not p then
+        ngx.say(cjson.encode({ enabled = false, reason = off_reason }))
+        return
+    end
+    local all = publish.stats_all(1)
+    all.enabled = true
+    all.emulator = emulator
+    ngx.say(cjson.encode(all))
+end
+
+
+return _M
