@@ -130,3 +130,33 @@ def test_privileged_agent_target(nginx):
             break
     assert got["-1"]["total"] == 5
     assert got["0"]["total"] == 2 and got["1"]["total"] == 2
+
+
+def test_publish_from_every_phase(nginx):
+    pub = 'require("resty.loom.events").get():publish("all", "phase", "%s",' \
+          ' { n = 1 })'
+    server = ec.SERVER + """
+    location /phases {
+        set_by_lua_block $x { %s return "1" }
+        rewrite_by_lua_block { %s }
+        access_by_lua_block { %s }
+        content_by_lua_block {
+            %s
+            ngx.timer.at(0, function() %s end)
+            ngx.say("ok")
+        }
+        header_filter_by_lua_block { %s }
+        body_filter_by_lua_block { if ngx.arg[2] then %s end }
+        log_by_lua_block { %s }
+    }
+    """ % tuple(pub % p for p in ("set", "rewrite", "access", "content",
+                                  "timer", "header_filter", "body_filter",
+                                  "log"))
+    n = nginx(workers=2, http=ec.http(), server=server)
+    ec.wait_ready(n)
+    assert n.get("/phases").text.strip() == "ok"
+    st = ec.wait_totals(n, {0: 8, 1: 8})
+    for s in st.values():
+        assert sorted(k.split(":")[2] for k in s["received"]) == sorted(
+            ["set", "rewrite", "access", "content", "timer",
+             "header_filter", "body_filter", "log"])

@@ -198,3 +198,29 @@ def test_out_of_fds_listener_stays_pinned(nginx):
     assert r["ok"] == 25
     ec.wait_totals(n, {0: 25, 1: 25})
     assert "not the broker" not in n.error_log()
+
+
+def test_stopped_worker_noticed_by_heartbeat(nginx):
+    """A worker that stops answering (SIGSTOP) is dropped by the broker
+    within three heartbeats; when it runs again it reconnects and gets
+    what was published meanwhile."""
+    n = nginx(workers=3, http=ec.http("heartbeat = 0.5"), server=ec.SERVER)
+    # the frozen worker's connection is gone when it wakes up: its first
+    # write fails with EPIPE, which nginx logs
+    n.allow_log(r"read timed out|heartbeat timeout|Broken pipe")
+    ec.wait_ready(n)
+    victim = ec.states(n)[2]["pid"]
+    n.kill(victim, signal.SIGSTOP)
+    try:
+        n.wait_log(r"closed worker 2's connection: heartbeat timeout",
+                   timeout=5)
+        # published while worker 2 is frozen: kept in its broker queue
+        for _ in range(20):
+            r = n.get("/ev/pub?target=all&n=10").json()
+            assert r["ok"] == 10
+    finally:
+        n.kill(victim, signal.SIGCONT)
+    st = ec.wait_totals(n, {0: 200, 1: 200, 2: 200}, timeout=15)
+    assert st[2]["pid"] == victim
+    assert st[2]["stats"]["reconnects"] >= 1
+    assert all(s["stats"]["gaps"] == 0 for s in st.values())
