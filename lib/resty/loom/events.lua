@@ -881,20 +881,23 @@ function _M.serve(self)
 end
 
 
-local function make_room(self, bytes)
+local function full(self, bytes)
     local opts = self.opts
-    local policy = opts.overflow
-    local function full()
-        return self.pending >= opts.max_queue
-               or self.pending_bytes + bytes > opts.max_queue_bytes
-    end
-    if not full() then
+    return self.pending >= opts.max_queue
+           or self.pending_bytes + bytes > opts.max_queue_bytes
+end
+
+
+local function make_room(self, bytes)
+    if not full(self, bytes) then
         return true, false
     end
+    local opts = self.opts
+    local policy = opts.overflow
     local waited = false
     if policy == "drop_oldest" then
         local q = self.unsent_q
-        while full() do
+        while full(self, bytes) do
             local s, b = q:pop()
             if not s then
                 break
@@ -908,7 +911,7 @@ local function make_room(self, bytes)
         end
     elseif policy == "wait" and WAIT_PHASES[get_phase()] then
         local deadline = ngx_now() + opts.wait_timeout
-        while full() do
+        while full(self, bytes) do
             local left = deadline - ngx_now()
             if left <= 0 then
                 break
@@ -919,7 +922,7 @@ local function make_room(self, bytes)
             waited = true
         end
     end
-    if full() then
+    if full(self, bytes) then
         count(self.counters.dropped, "queue full")
         warn_once(self, "full", "queue full: publish refused; ",
                   self.counters.dropped["queue full"], " so far")
