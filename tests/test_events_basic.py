@@ -160,3 +160,74 @@ def test_publish_from_every_phase(nginx):
         assert sorted(k.split(":")[2] for k in s["received"]) == sorted(
             ["set", "rewrite", "access", "content", "timer",
              "header_filter", "body_filter", "log"])
+
+
+VALIDATION = """
+    init_by_lua_block {
+        local events = require "resty.loom.events"
+        local cases = {
+            { socket = 1 },
+            { socket = "relative/path.sock" },
+            { socket = "/tmp/" .. string.rep("x", 120) },
+            { socket = "/tmp/x.sock", broker = -1 },
+            { socket = "/tmp/x.sock", max_queue = 0 },
+            { socket = "/tmp/x.sock", max_payload = 100 * 1024 * 1024 },
+            { socket = "/tmp/x.sock", overflow = "explode" },
+            { socket = "/tmp/x.sock", privileged_agent = "yes" },
+            { socket = "/tmp/x.sock", heartbeat = 0 },
+            { socket = "/tmp/x.sock", bogus = 1 },
+            "not a table",
+        }
+        local errs = {}
+        for i, opts in ipairs(cases) do
+            local ok, err = pcall(events.new, opts)
+            errs[i] = ok and "accepted" or err
+        end
+        package.loaded.validation_errors = errs
+        require("events_helper").init()
+    }
+    init_worker_by_lua_block { require("events_helper").init_worker() }
+    server {
+        listen unix:$PREFIX/sock/bus.sock;
+        location / { content_by_lua_block {
+            require("resty.loom.events").get():serve() } }
+    }
+"""
+
+
+def test_option_validation_and_unsubscribe(nginx):
+    n = nginx(workers=1, http=VALIDATION, server=ec.SERVER + """
+        location /errs { content_by_lua_block {
+            ngx.say(table.concat(package.loaded.validation_errors, "\\n"))
+        } }
+        location /unsub { content_by_lua_block {
+            local bus = require("resty.loom.events").get()
+            local calls = 0
+            local id = bus:subscribe("u", "*", function() calls = calls + 1 end)
+            bus:publish("current", "u", "x")
+            ngx.sleep(0.1)
+            assert(bus:unsubscribe(id))
+            assert(not bus:unsubscribe(id))
+            bus:publish("current", "u", "x")
+            ngx.sleep(0.1)
+            local ok, err = pcall(bus.publish, bus, "nowhere", "u", "x")
+            ngx.say(calls, " ", err)
+        } }
+    """)
+    errs = n.get("/errs").text.strip().split("\n")
+    expect = ["opts.socket must be a string",
+              "opts.socket must be an absolute path",
+              "opts.socket must be an absolute path",
+              "opts.broker must be an integer >= 0",
+              "opts.max_queue must be an integer >= 1",
+              "opts.max_payload must be an integer >= 1 and <= 67108864",
+              'opts.overflow must be "reject", "drop_oldest" or "wait"',
+              "opts.privileged_agent must be a boolean",
+              "opts.heartbeat must be a number > 0",
+              "opts.bogus is not a known option",
+              "opts must be a table"]
+    assert len(errs) == len(expect)
+    for got, want in zip(errs, expect):
+        assert want in got, (got, want)
+    out = n.get("/unsub").text.strip()
+    assert out.startswith("1 ") and 'target must be "all"' in out

@@ -141,6 +141,8 @@ def test_reload_generations_isolated(nginx):
     assert r["ok"] == 30
     st = ec.wait_totals(n, {0: 30, 1: 30})
     assert "hello pid differs" not in n.error_log()
+    # the old generation drained: every publisher got its acks before exit
+    assert "not acknowledged by the broker" not in n.error_log()
 
 
 def test_reload_while_publishing(nginx):
@@ -168,6 +170,9 @@ def test_reload_while_publishing(nginx):
         assert by_publisher(st[w]) == {"p1": count, "p2": count,
                                        "p3": count}, (w, st[w]["stats"])
         assert st[w]["order_errors"] == 0
+    # the old generation drained: its publishers had every event
+    # acknowledged by the old broker before they exited
+    assert "not acknowledged by the broker" not in n.error_log()
 
 
 def test_out_of_fds_listener_stays_pinned(nginx):

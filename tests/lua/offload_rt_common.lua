@@ -125,23 +125,41 @@ function _M.burst()
 end
 
 
--- GET /soak?rt=<name>&n=<calls>: n sequential calls "echo:<i>" checked
--- one by one; prints "ok=<n> bad=<n>" and the first error.
-function _M.soak()
-    local args = ngx.req.get_uri_args()
-    local rt = get(args.rt)
-    local n = tonumber(args.n) or 1000
-    local ok, bad, first = 0, 0, nil
+-- GET /soak?rt=<name>&n=<calls>&c=<threads>: n calls "echo:<i>", made
+-- by c light threads (default 16) one after the other, each answer
+-- checked; prints "ok=<n> bad=<n> first=<first error>".
+local function soak_thread(rt, from, to, step)
     local buf = require("string.buffer").new()
-    for i = 1, n do
+    local ok, bad, first = 0, 0, nil
+    for i = from, to, step do
         buf:reset():put("echo:", i)
-        local res, err = rt:call(buf:tostring())
+        local res, err = rt:call(buf)
         if res and tonumber(res) == i then
             ok = ok + 1
         else
             bad = bad + 1
             first = first or tostring(res) .. "/" .. tostring(err)
         end
+    end
+    return ok, bad, first
+end
+
+
+function _M.soak()
+    local args = ngx.req.get_uri_args()
+    local rt = get(args.rt)
+    local n = tonumber(args.n) or 1000
+    local c = tonumber(args.c) or 16
+    local threads = {}
+    for t = 1, c do
+        threads[t] = spawn(soak_thread, rt, t, n, c)
+    end
+    local ok, bad, first = 0, 0, nil
+    for t = 1, c do
+        local _, tok, tbad, tfirst = wait(threads[t])
+        ok = ok + (tok or 0)
+        bad = bad + (tbad or 0)
+        first = first or tfirst
     end
     ngx_say("ok=", ok, " bad=", bad, " first=", first or "")
 end
