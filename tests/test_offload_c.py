@@ -2,6 +2,7 @@
 shows through real nginx: CPU work off the event loop, state shared by the
 runtime's threads."""
 
+import hashlib
 import json
 import os
 import subprocess
@@ -10,7 +11,7 @@ import time
 
 import pytest
 
-from test_offload_core import LIB, call, start
+from test_offload_core import LIB, ROOT, call, start
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -78,3 +79,32 @@ def test_cache_shared_by_threads(nginx):
     assert info == "worker=0 threads=4 config="
     s = json.loads(n.get("/stats").body)
     assert s["threads"] == 4 and s["errors"] == 1
+
+
+def test_gateway_endpoints(nginx):
+    root = ROOT
+    # one worker: without an events bus /loom/offload shows its own only
+    n = nginx(workers=1, http="""
+    init_by_lua_block {
+        package.path = "%(root)s/examples/gateway/lua/?.lua;" .. package.path
+    }
+    init_worker_by_lua_block {
+        require("gateway.offload").init_worker()
+    }
+    """ % {"root": root}, server="""
+    include %s/examples/gateway/conf.d/offload.server.conf;
+    """ % root)
+    want = hashlib.sha256(b"hello world").digest()
+    for _ in range(9):
+        want = hashlib.sha256(want).digest()
+    r = n.get("/offload/hash?data=hello%20world&rounds=10")
+    assert r.status == 200
+    body = r.json()
+    assert body["sha256"] == want.hex() and body["rounds"] == 10
+    assert n.get("/offload/hash?rounds=0").status == 400
+    r = n.get("/loom/offload")
+    assert r.status == 200
+    workers = r.json()["workers"]
+    assert workers and all(w["runtimes"][0]["state"] == "ready"
+                           for w in workers)
+    assert workers[0]["runtimes"][0]["completed"] == 1

@@ -512,3 +512,14 @@ def test_quit_with_abandoned_call(nginx):
     n.quit(timeout=30)
     assert time.time() - t0 < 5
     assert "sema mm" not in n.error_log()
+
+
+def test_quit_during_startup(nginx):
+    # a runtime whose start-up never ends does not hold the worker back
+    n = start(nginx, "init_delay_ms=60000", workers=1, grace=1)
+    r = call(n, "echo never", t=0.2)
+    assert (r.status, r.body) == (502, b"timeout")
+    t0 = time.time()
+    n.quit(timeout=30)
+    assert time.time() - t0 < 5
+    assert "still starting at exit, abandoned" in n.error_log()

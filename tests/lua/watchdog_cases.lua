@@ -61,7 +61,8 @@ end
 
 
 function _M.start_timer(ms)
-    return ngx.timer.at(0, timer_sleeper, ms)  -- LINE:timer_created
+    local ok, err = ngx.timer.at(0, timer_sleeper, ms)  -- LINE:timer_created
+    return ok, err
 end
 
 

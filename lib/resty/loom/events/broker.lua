@@ -325,8 +325,6 @@ local function forward(bus, b, c, seq, p, len)
     else
         count(b.stats.dropped, "bad target")
     end
-
-    send_acks(b)
 end
 
 
@@ -402,6 +400,8 @@ local function reader(bus, b, c)
                 end
                 rbuf:skip(size)
             end
+            -- once per read, not per event: acks for what is written
+            send_acks(b)
         end
     end
 end

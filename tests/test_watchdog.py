@@ -1,0 +1,400 @@
+"""resty.loom.watchdog: stalls of the event loop found while they happen.
+
+Each test drives a real nginx whose handlers block on purpose (helpers in
+tests/lua/watchdog_cases.lua) and checks the report the watchdog made:
+duration, what was running, the classification (on CPU or which system
+call) and the Lua backtrace with function name and line.
+"""
+
+import os
+import re
+import signal
+import threading
+import time
+
+import pytest
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+CASES = os.path.join(ROOT, "tests", "lua", "watchdog_cases.lua")
+
+
+def marker_line(name):
+    with open(CASES) as f:
+        for i, line in enumerate(f, 1):
+            if line.rstrip().endswith("-- LINE:" + name):
+                return i
+    raise AssertionError("no marker " + name)
+
+
+def defined_line(func):
+    with open(CASES) as f:
+        for i, line in enumerate(f, 1):
+            if re.match(r"\s*local function %s\(" % func, line):
+                return i
+    raise AssertionError("no function " + func)
+
+
+HTTP = """
+init_worker_by_lua_block {
+    local wd = require "resty.loom.watchdog"
+    assert(wd.start({ threshold = %(threshold)d, log_burst = 100 }))
+}
+"""
+
+SERVER = """
+location = /hello { content_by_lua_block { ngx.say("hello") } }
+location = /cpu {
+    content_by_lua_block {
+        require("watchdog_cases").cpu(tonumber(ngx.var.arg_ms) or 300)
+        ngx.say("ok")
+    }
+}
+location = /exec {
+    content_by_lua_block {
+        require("watchdog_cases").sleep_exec(0.3)
+        ngx.say("ok")
+    }
+}
+location = /usleep {
+    content_by_lua_block {
+        require("watchdog_cases").sleep_ffi(tonumber(ngx.var.arg_ms) or 300)
+        ngx.say("ok")
+    }
+}
+location = /timer {
+    content_by_lua_block {
+        assert(require("watchdog_cases").start_timer(300))
+        ngx.say("ok")
+    }
+}
+location = /work {
+    content_by_lua_block {
+        local t = {}
+        for i = 1, 200 do t[i] = ngx.md5(i) end
+        ngx.say(#t)
+    }
+}
+location = /reports {
+    content_by_lua_block {
+        local wd = require "resty.loom.watchdog"
+        ngx.say(require("cjson").encode({
+            stats = wd.stats(), reports = wd.reports(),
+            worker = ngx.worker.id(), pid = ngx.worker.pid(),
+        }))
+    }
+}
+location = /flame {
+    content_by_lua_block {
+        ngx.header.content_type = "image/svg+xml"
+        ngx.print(require("resty.loom.watchdog").flamegraph())
+    }
+}
+"""
+
+
+def start(nginx, workers=1, threshold=100, **kw):
+    n = nginx(workers=workers, http=HTTP % {"threshold": threshold},
+              server=SERVER, **kw)
+    return n
+
+
+def wait_reports(n, count, timeout=10):
+    deadline = time.time() + timeout
+    while True:
+        data = n.get("/reports").json()
+        if len(data["reports"]) >= count or time.time() > deadline:
+            return data
+        time.sleep(0.1)
+
+
+def frames_at(report, line):
+    return [f for f in report.get("backtrace", [])
+            if f["source"] == CASES and f["line"] == line]
+
+
+def test_cpu_bound_loop(nginx):
+    n = start(nginx)
+    assert n.get("/cpu?ms=300").status == 200
+    data = wait_reports(n, 1)
+    reports = data["reports"]
+    assert len(reports) == 1, reports
+    r = reports[0]
+    assert r["request"] == {"method": "GET", "uri": "/cpu?ms=300"}
+    assert r["phase"] == "content"
+    assert r["duration_ms"] >= 280
+    assert r["kind"] == "cpu"
+    # mostly runnable: on a CPU, or waiting for one on a busy machine
+    assert r["on_cpu_ms"] + r.get("runqueue_ms", 0) >= 0.5 * r["duration_ms"]
+    assert r["proc_samples"]["running"] > 0
+    assert r["detected_while_blocked"] is True
+    assert r["lua_samples"] >= 2
+    burn = marker_line("burn")
+    # the busy loop is in the backtrace, with the function's name ...
+    hits = frames_at(r, burn)
+    assert hits and hits[0]["func"] == "cpu", r["backtrace"]
+    # ... and it is the hottest Lua line of the stall
+    assert any(h["frame"] == "cpu (%s:%d)" % (CASES, burn)
+               for h in r["hot"][:2]), r["hot"]
+    assert "%s:%d" % (CASES, burn) in r["folded"]
+    # one log line for it
+    found = n.wait_log(r"event loop blocked [\d.]+ ms \(threshold 100 ms\) "
+                       r"by GET /cpu\?ms=300 \(content\)")
+    assert len(found) == 1
+    assert data["stats"]["stalls"] == 1
+    assert data["stats"]["over_100ms"] == 1
+    assert data["stats"]["max_ms"] >= 280
+
+
+def test_blocking_syscall_os_execute(nginx):
+    n = start(nginx)
+    assert n.get("/exec").status == 200
+    reports = wait_reports(n, 1)["reports"]
+    assert len(reports) == 1, reports
+    r = reports[0]
+    assert r["request"]["uri"] == "/exec"
+    assert r["kind"] == "blocked"
+    assert r["syscall"] == "wait4"
+    assert r["wchan"] == "do_wait"
+    assert r["off_cpu_ms"] >= 250
+    top = r["backtrace"][0]
+    assert top["func"] == "sleep_exec"
+    assert top["source"] == CASES
+    assert top["line"] == marker_line("exec")
+    n.wait_log(r"by GET /exec \(content\); on-CPU [\d.]+ ms, off-CPU "
+               r"[\d.]+ ms in wait4")
+
+
+def test_blocking_ffi_usleep(nginx):
+    n = start(nginx)
+    t0 = time.time()
+    assert n.get("/usleep?ms=300").status == 200
+    # the sleep was not cut short by the watchdog's sampling
+    assert time.time() - t0 >= 0.29
+    reports = wait_reports(n, 1)["reports"]
+    assert len(reports) == 1, reports
+    r = reports[0]
+    assert r["request"]["uri"] == "/usleep?ms=300"
+    assert r["kind"] == "blocked"
+    assert r["syscall"] in ("clock_nanosleep", "nanosleep")
+    assert r["duration_ms"] >= 290
+    top = r["backtrace"][0]
+    assert top["func"] == "sleep_ffi"
+    assert top["line"] == marker_line("usleep")
+
+
+def test_blocking_call_in_timer(nginx):
+    n = start(nginx)
+    assert n.get("/timer").status == 200
+    reports = wait_reports(n, 1)["reports"]
+    assert len(reports) == 1, reports
+    r = reports[0]
+    assert "request" not in r
+    assert r["phase"] == "timer"
+    assert r["timer"]["created_at"] == "%s:%d" % (
+        CASES, marker_line("timer_created"))
+    assert r["timer"]["callback"] == "%s:%d" % (
+        CASES, defined_line("timer_sleeper"))
+    assert r["syscall"] in ("clock_nanosleep", "nanosleep")
+    top = r["backtrace"][0]
+    assert top["source"] == CASES
+    assert top["line"] == marker_line("timer")
+    n.wait_log(r"by timer \S+watchdog_cases.lua:%d created at "
+               r"\S+watchdog_cases.lua:%d" % (
+                   defined_line("timer_sleeper"),
+                   marker_line("timer_created")))
+
+
+def test_each_stall_reported_once_and_flamegraph(nginx):
+    n = start(nginx)
+    for path in ("/cpu?ms=200", "/usleep?ms=200", "/cpu?ms=200"):
+        assert n.get(path).status == 200
+    data = wait_reports(n, 3)
+    reports = data["reports"]
+    assert len(reports) == 3
+    # newest first, distinct iterations
+    assert [r["request"]["uri"] for r in reports] == [
+        "/cpu?ms=200", "/usleep?ms=200", "/cpu?ms=200"]
+    assert len({r["id"] for r in reports}) == 3
+    time.sleep(0.5)
+    assert len(n.get("/reports").json()["reports"]) == 3
+    assert len(re.findall(r"event loop blocked", n.error_log())) == 3
+    svg = n.get("/flame")
+    assert svg.status == 200
+    assert svg.body.startswith(b"<?xml") or svg.body.startswith(b"<svg")
+    assert b"sleep_ffi" in svg.body and b"watchdog_cases.lua" in svg.body
+
+
+def _load(n, path, seconds, threads=8):
+    stop = time.time() + seconds
+    errors = []
+    count = [0]
+
+    def run():
+        import http.client
+        conn = http.client.HTTPConnection("127.0.0.1", n.port, timeout=5)
+        while time.time() < stop:
+            try:
+                conn.request("GET", path)
+                resp = conn.getresponse()
+                resp.read()
+                if resp.status != 200:
+                    errors.append(resp.status)
+                count[0] += 1
+            except OSError as e:
+                errors.append(repr(e))
+                conn.close()
+                conn = http.client.HTTPConnection("127.0.0.1", n.port,
+                                                  timeout=5)
+        conn.close()
+
+    ts = [threading.Thread(target=run) for _ in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return count[0], errors
+
+
+def collect_all(n, workers):
+    """/reports of every worker (new connections spread over workers)."""
+    seen = {}
+    deadline = time.time() + 10
+    while len(seen) < workers and time.time() < deadline:
+        d = n.get("/reports").json()
+        seen[d["pid"]] = d
+    assert len(seen) == workers, seen.keys()
+    return list(seen.values())
+
+
+def test_no_report_under_normal_load(nginx):
+    # the threshold leaves room for a shared, busy CI machine
+    n = start(nginx, workers=2, threshold=250, events="accept_mutex off;")
+    count, errors = _load(n, "/work", 3)
+    assert not errors
+    assert count > 200
+    total = 0
+    for d in collect_all(n, 2):
+        s = d["stats"]
+        assert s["running"] is True
+        assert s["reports"] == 0 and not d["reports"]
+        assert s["stalls"] == 0
+        assert s["over_1s"] == 0
+        assert s["iterations"] > 0
+        assert sum(b["count"] for b in s["histogram"]) == s["iterations"]
+        assert s["p50_ms"] <= s["p99_ms"] <= s["p999_ms"]
+        total += s["iterations"]
+    assert total >= count / 4
+    assert "event loop blocked" not in n.error_log()
+
+
+def test_reload_and_quit(nginx):
+    n = start(nginx, workers=2)
+    old = n.worker_pids()
+    assert n.get("/usleep?ms=150").status == 200
+    n.wait_log(r"event loop blocked .* by GET /usleep")
+    new = n.reload()
+    assert set(new).isdisjoint(old)
+    assert n.wait_gone(old, timeout=15)
+    for d in collect_all(n, 2):
+        assert d["pid"] in new
+        assert d["stats"]["running"] is True
+        assert not d["reports"]
+    # the new generation reports too
+    assert n.get("/cpu?ms=150").status == 200
+    n.wait_log(r"event loop blocked .* by GET /cpu\?ms=150")
+    n.quit(timeout=15)
+    assert n.wait_gone(new, timeout=5)
+    log = n.error_log()
+    assert not re.search(r"\[(alert|crit|emerg)\]", log)
+    assert "exit" in log
+
+
+def test_start_validates_options(nginx):
+    n = nginx(workers=1, server="""
+location = /t {
+    content_by_lua_block {
+        local wd = require "resty.loom.watchdog"
+        local out = {}
+        for _, o in ipairs({ { threshold = "x" }, { threshold = 0.5 },
+                             { nope = 1 }, { backtraces = 1 } }) do
+            local ok, err = pcall(wd.start, o)
+            out[#out + 1] = tostring(ok) .. " " .. tostring(err)
+        end
+        local ok, err = pcall(wd.start, {})
+        out[#out + 1] = tostring(ok) .. " " .. tostring(err)
+        ngx.say(table.concat(out, "\\n"))
+    }
+}
+""")
+    lines = n.get("/t").text.splitlines()
+    assert "opts.threshold must be a non-negative number" in lines[0]
+    assert "opts.threshold must be at least 1" in lines[1]
+    assert "opts.nope is not an option" in lines[2]
+    assert "opts.backtraces must be a boolean" in lines[3]
+    assert "must be called in init_worker_by_lua" in lines[4]
+    assert all(line.startswith("false") for line in lines)
+
+
+@pytest.mark.skipif(not os.path.exists("/usr/bin/wrk"), reason="needs wrk")
+def test_soak_mixed_stalls(nginx):
+    """wrk load mixed with stalls of every kind: no crash, no leak.
+
+    LOOM_WATCHDOG_SOAK=<seconds> runs longer (the million-request soak in
+    docs/watchdog.md used 60).
+    """
+    import subprocess
+    seconds = int(os.environ.get("LOOM_WATCHDOG_SOAK", "8"))
+    n = start(nginx, workers=2, threshold=50)
+    pids = n.worker_pids()
+
+    def rss(pid):
+        with open("/proc/%d/status" % pid) as f:
+            return int(re.search(r"VmRSS:\s+(\d+)", f.read()).group(1))
+
+    # warm up, then remember the memory
+    subprocess.run(["wrk", "-t1", "-c16", "-d1s", n.url("/hello")],
+                   capture_output=True, check=True)
+    for p in ("/cpu?ms=60", "/usleep?ms=60", "/exec", "/timer"):
+        n.get(p)
+    time.sleep(0.5)
+    before = {p: rss(p) for p in pids}
+
+    stalls = []
+    stop = threading.Event()
+
+    def staller():
+        kinds = ("/cpu?ms=70", "/usleep?ms=70", "/cpu?ms=70", "/exec")
+        i = 0
+        while not stop.is_set():
+            r = n.get(kinds[i % len(kinds)], timeout=20)
+            assert r.status == 200
+            stalls.append(r)
+            i += 1
+            time.sleep(0.05)
+
+    t = threading.Thread(target=staller)
+    t.start()
+    out = subprocess.run(["wrk", "-t2", "-c32", "-d%ds" % seconds,
+                          n.url("/hello")], capture_output=True, text=True)
+    stop.set()
+    t.join()
+    assert out.returncode == 0, out.stderr
+    m = re.search(r"(\d+) requests in", out.stdout)
+    assert m and int(m.group(1)) > 1000, out.stdout
+    assert "Non-2xx" not in out.stdout, out.stdout
+    assert "Socket errors" not in out.stdout or \
+        re.search(r"connect 0, read 0, write 0, timeout \d+", out.stdout), \
+        out.stdout
+    assert n.worker_pids() == pids        # no worker crashed
+    time.sleep(0.5)
+    datas = collect_all(n, 2)
+    reports = sum(d["stats"]["reports"] for d in datas)
+    assert reports >= len(stalls) * 0.9, (reports, len(stalls))
+    for d in datas:
+        assert len(d["reports"]) <= 32    # the ring stays bounded
+    after = {p: rss(p) for p in pids}
+    for p in pids:
+        assert after[p] - before[p] < 20000, (before, after)
+    assert "signal" not in "".join(
+        line for line in n.error_log().splitlines()
+        if "exited on signal" in line)
