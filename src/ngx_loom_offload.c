@@ -39,6 +39,7 @@
 #include <ngx_http.h>
 #include <dlfcn.h>
 #include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/eventfd.h>
 #include <loom_offload.h>
@@ -99,6 +100,7 @@ struct loom_offload_task_s {
     /* written by the answering thread before it publishes the task */
     u_char                      *rsp;
     size_t                       rsp_len;
+    uint64_t                     answer_ns;
     int                          status;
     int                          rsp_heap;
 
@@ -129,13 +131,15 @@ struct loom_offload_queue_s {
     ngx_uint_t                   taken;        /* atomic reads */
     ngx_uint_t                   spinners;
     ngx_uint_t                   sleepers;
+    ngx_uint_t                   waking;       /* signalled, not yet up */
     ngx_uint_t                   closed;       /* atomic reads */
     ngx_uint_t                   bound;
     uint64_t                     spin_ns;
+    uint64_t                     spin_cur_ns;  /* adaptive, under mtx */
 
     /* main thread */
     uint64_t                     poll_ns;
-    uint64_t                     ewma_ns;      /* recent round trips */
+    uint64_t                     ewma_ns;      /* recent submit->answer */
     uint64_t                     polled;
     uint64_t                     polled_hits;
     uint64_t                     peak_queued;
@@ -215,6 +219,8 @@ typedef struct {
     /* main thread */
     ngx_uint_t                   inited;
     ngx_uint_t                   exiting;
+    ngx_uint_t                   edge;         /* edge-triggered eventfd */
+    ngx_uint_t                   wakeups;
     ngx_connection_t            *conn;
     ngx_queue_t                  queues;
     loom_offload_task_t         *garbage;
@@ -317,7 +323,7 @@ static const loom_offload_host_t  ngx_loom_offload_host = {
 
 static ngx_loom_offload_worker_t  ngx_loom_offload_w = {
     PTHREAD_MUTEX_INITIALIZER, NULL, 0, -1,
-    0, 0, NULL, { NULL, NULL }, NULL,
+    0, 0, 0, 0, NULL, { NULL, NULL }, NULL,
     { 0 }, NULL, NULL, NULL
 };
 
@@ -354,47 +360,69 @@ static int
 ngx_loom_offload_wait(loom_offload_queue_t *q, int timeout_ms,
     loom_offload_task_t **task)
 {
-    int                   rc;
-    uint64_t              deadline, now;
+    int                   rc, slept;
+    uint64_t              deadline, now, spin;
     ngx_uint_t            n;
     ngx_queue_t          *x;
     struct timespec       ts;
     loom_offload_task_t  *t;
 
     *task = NULL;
+    slept = 0;
 
     pthread_mutex_lock(&q->mtx);
 
-    if (ngx_queue_empty(&q->pending) && !q->closed && q->spin_ns
+    spin = q->spin_cur_ns;
+
+    if (ngx_queue_empty(&q->pending) && !q->closed && spin
         && q->spinners == 0 && timeout_ms != 0)
     {
         /*
          * spin a little before sleeping: a thread that has just answered
          * usually gets the next task within microseconds under load, and
          * taking it without a futex wake-up saves a cross-CPU round trip;
-         * one spinner per queue is enough, the others sleep
+         * one spinner per queue is enough, the others sleep. The spin
+         * halves after each miss and is restored when tasks come within
+         * the spin window again, so an idle runtime soon stops spinning.
          */
 
         q->spinners++;
         pthread_mutex_unlock(&q->mtx);
 
-        deadline = ngx_loom_offload_now_ns() + q->spin_ns;
+        deadline = ngx_loom_offload_now_ns() + spin;
 
         for (n = 1; ngx_loom_load(&q->npending) == 0
                     && !ngx_loom_load(&q->closed); n++)
         {
             ngx_loom_cpu_relax();
 
-            if ((n & 63) == 0 && ngx_loom_offload_now_ns() >= deadline) {
-                break;
+            if ((n & 63) == 0) {
+                if (ngx_loom_offload_now_ns() >= deadline) {
+                    break;
+                }
+
+                /* let whatever else wants this CPU run (nginx, say) */
+                sched_yield();
             }
         }
 
         pthread_mutex_lock(&q->mtx);
         q->spinners--;
+
+        if (!ngx_queue_empty(&q->pending)) {
+            q->spin_cur_ns = q->spin_ns;
+
+        } else {
+            q->spin_cur_ns /= 2;
+
+            if (q->spin_cur_ns < 1000) {
+                q->spin_cur_ns = 0;
+            }
+        }
     }
 
     deadline = 0;
+    now = 0;
 
     if (timeout_ms > 0) {
         now = ngx_loom_offload_now_ns();
@@ -415,6 +443,11 @@ ngx_loom_offload_wait(loom_offload_queue_t *q, int timeout_ms,
             return LOOM_OFFLOAD_TIMEDOUT;
         }
 
+        if (q->spin_ns && now == 0) {
+            now = ngx_loom_offload_now_ns();
+        }
+
+        slept = 1;
         q->sleepers++;
 
         if (timeout_ms < 0) {
@@ -426,11 +459,22 @@ ngx_loom_offload_wait(loom_offload_queue_t *q, int timeout_ms,
 
         q->sleepers--;
 
+        if (q->waking) {
+            q->waking--;
+        }
+
         if (rc == ETIMEDOUT && ngx_queue_empty(&q->pending)) {
             rc = q->closed ? LOOM_OFFLOAD_CLOSED : LOOM_OFFLOAD_TIMEDOUT;
             pthread_mutex_unlock(&q->mtx);
             return rc;
         }
+    }
+
+    if (slept && q->spin_ns && q->spin_cur_ns < q->spin_ns
+        && ngx_loom_offload_now_ns() - now < q->spin_ns)
+    {
+        /* the task came within the spin window: spinning pays again */
+        q->spin_cur_ns = q->spin_ns;
     }
 
     x = ngx_queue_head(&q->pending);
@@ -516,6 +560,7 @@ ngx_loom_offload_answer(loom_offload_task_t *t, int status,
 
     t->rsp_len = len;
     t->status = status;
+    t->answer_ns = ngx_loom_offload_now_ns();
 
     if (ngx_loom_load(&t->fast) == LOOM_FAST_POLLING) {
         int  polling = LOOM_FAST_POLLING;
@@ -634,7 +679,17 @@ ngx_loom_offload_worker_init(u_char *err, size_t *errlen)
     /* nginx calls the read handler with c->close set at graceful exit */
     c->idle = 1;
 
-    if (ngx_add_event(c->read, NGX_READ_EVENT, 0) != NGX_OK) {
+    /*
+     * edge-triggered where the event method can (epoll): every write is a
+     * new event, so the counter needs reading only now and then, as
+     * nginx's own notification eventfd does
+     */
+    w->edge = (ngx_event_flags & NGX_USE_CLEAR_EVENT) ? 1 : 0;
+
+    if (ngx_add_event(c->read, NGX_READ_EVENT,
+                      w->edge ? NGX_CLEAR_EVENT : NGX_LEVEL_EVENT)
+        != NGX_OK)
+    {
         ngx_free_connection(c);
         close(fd);
         *errlen = ngx_snprintf(err, *errlen, "failed to add the eventfd")
@@ -681,7 +736,10 @@ ngx_loom_offload_read_handler(ngx_event_t *rev)
         c->error = 0;
     }
 
-    if (read(w->fd, &v, sizeof(uint64_t)) == -1 && ngx_errno != NGX_EAGAIN) {
+    if ((!w->edge || (++w->wakeups & 0xffff) == 0)
+        && read(w->fd, &v, sizeof(uint64_t)) == -1
+        && ngx_errno != NGX_EAGAIN)
+    {
         ngx_log_error(NGX_LOG_ALERT, rev->log, ngx_errno,
                       "[loom.offload] eventfd read() failed");
     }
@@ -748,6 +806,15 @@ ngx_loom_offload_done(loom_offload_task_t *t)
     t->rt = 0;
     q->answered++;
 
+    /*
+     * how long the runtime took to answer, from the submission: what the
+     * event loop would have had to poll for (its own wake-up excluded)
+     */
+    if (t->answer_ns > t->start_us * 1000) {
+        q->ewma_ns = q->ewma_ns - q->ewma_ns / 8
+                     + (t->answer_ns - t->start_us * 1000) / 8;
+    }
+
     if (t->lua && !t->resolved) {
 
         if (t->status == LOOM_OFFLOAD_OK) {
@@ -807,8 +874,6 @@ ngx_loom_offload_resolve(loom_offload_task_t *t, int result)
         }
 
         q->hist[ngx_loom_offload_hist_index(us)]++;
-
-        q->ewma_ns = q->ewma_ns - q->ewma_ns / 8 + us * 1000 / 8;
     }
 
     if (t->sem) {
@@ -1155,8 +1220,9 @@ ngx_loom_offload_exit_process(ngx_cycle_t *cycle)
 {
     uint64_t                    now, deadline, max;
     ngx_uint_t                  waiting;
-    ngx_queue_t                *x;
+    ngx_queue_t                *x, *y;
     struct timespec             ts;
+    loom_offload_task_t        *t;
     loom_offload_queue_t       *q;
     ngx_loom_offload_worker_t  *w;
 
@@ -1247,6 +1313,31 @@ ngx_loom_offload_exit_process(ngx_cycle_t *cycle)
     }
 
     pthread_mutex_unlock(&ngx_loom_offload_exit_mtx);
+
+    /*
+     * lua-nginx-module frees its semaphore blocks after this and expects
+     * every semaphore back: return those of tasks still alive (answers
+     * that never came, requests nginx did not finalize)
+     */
+
+    for (x = ngx_queue_head(&w->queues);
+         x != ngx_queue_sentinel(&w->queues);
+         x = ngx_queue_next(x))
+    {
+        q = ngx_queue_data(x, loom_offload_queue_t, link);
+
+        for (y = ngx_queue_head(&q->live);
+             y != ngx_queue_sentinel(&q->live);
+             y = ngx_queue_next(y))
+        {
+            t = ngx_queue_data(y, loom_offload_task_t, live);
+
+            if (t->sem) {
+                w->sema_gc(t->sem);
+                t->sem = NULL;
+            }
+        }
+    }
 
     /* late answers are dropped from now on; the memory goes with exit() */
 
@@ -1380,6 +1471,7 @@ ngx_loom_offload_ffi_load(const char *path, const char *config,
     q->threads = threads > 0 ? (unsigned) threads : 1;
     q->grace = grace_ms > 0 ? (ngx_msec_t) grace_ms : 0;
     q->spin_ns = spin_us > 0 ? (uint64_t) spin_us * 1000 : 0;
+    q->spin_cur_ns = q->spin_ns;
     q->poll_ns = poll_us > 0 ? (uint64_t) poll_us * 1000 : 0;
     q->global = global;
     q->state = LOOM_OFFLOAD_STARTING;
@@ -1513,8 +1605,14 @@ ngx_loom_offload_ffi_submit(ngx_http_request_t *r, loom_offload_queue_t *q,
     ngx_queue_insert_tail(&q->pending, &t->pending);
     ngx_loom_store(&q->npending, q->npending + 1);
 
-    /* a spinning thread will see the task; wake sleepers for the rest */
-    if (q->sleepers && q->npending > q->spinners) {
+    /*
+     * a spinning thread will see the task, and so will threads already
+     * signalled: wake a sleeper only for tasks nobody is coming for
+     */
+    if (q->sleepers > q->waking
+        && q->npending > q->spinners + q->waking)
+    {
+        q->waking++;
         pthread_cond_signal(&q->cond);
     }
 
@@ -1556,7 +1654,7 @@ ngx_loom_offload_ffi_poll(loom_offload_task_t *t)
         || q->ewma_ns >= q->poll_ns
         || q->state != LOOM_OFFLOAD_READY
         || ngx_loom_load(&q->npending) > 1
-        || ngx_loom_load(&q->taken) - q->answered > 1)
+        || ngx_loom_load(&q->taken) != q->answered)
     {
         return 0;
     }
@@ -1578,8 +1676,11 @@ ngx_loom_offload_ffi_poll(loom_offload_task_t *t)
                                             __ATOMIC_ACQ_REL,
                                             __ATOMIC_ACQUIRE))
             {
-                /* too slow this time: count it as a slow round trip */
-                q->ewma_ns += q->poll_ns / 8;
+                /* too slow: stop polling until answers come fast again */
+                if (q->ewma_ns < 2 * q->poll_ns) {
+                    q->ewma_ns = 2 * q->poll_ns;
+                }
+
                 return 0;
             }
 

@@ -4,6 +4,7 @@ is special about Go (its runtime's threads and signal handlers)."""
 
 import os
 import re
+import signal
 
 from test_offload_rust import ROOT, SOAK_CALLS, RuntimeSuite, thread_names
 
@@ -50,6 +51,18 @@ class TestGo(RuntimeSuite):
             assert sig in with_go, sig
         # the goroutines serving calls run on their own OS threads
         assert len(thread_names(pid)) > 4
+
+    def test_sigpipe_is_still_ignored(self, nginx):
+        # Go installs its own SIGPIPE handler; nginx ignores SIGPIPE, and
+        # Go must forward to that: a SIGPIPE (as a write to a dead peer
+        # raises) must not kill the worker
+        n = self.start(nginx, threads=2)
+        pid = n.worker_pids()[0]
+        assert 13 in signal_handlers(pid)   # Go's handler is there
+        for _ in range(3):
+            os.kill(pid, signal.SIGPIPE)
+            assert self.call(n, "echo:alive") == (200, b"alive")
+        assert n.worker_pids() == [pid]
 
     def test_failing_constructor_fails_the_load(self, nginx):
         n = self.start(nginx, config="mode=nope", ready=False)

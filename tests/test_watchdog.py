@@ -393,8 +393,68 @@ def test_soak_mixed_stalls(nginx):
     for d in datas:
         assert len(d["reports"]) <= 32    # the ring stays bounded
     after = {p: rss(p) for p in pids}
+    print("soak: %s stalls made, %d reported, rss before %r after %r\n%s" % (
+        len(stalls), reports, before, after, out.stdout))
     for p in pids:
         assert after[p] - before[p] < 20000, (before, after)
     assert "signal" not in "".join(
         line for line in n.error_log().splitlines()
         if "exited on signal" in line)
+
+
+def test_gateway_blocking_endpoint_and_demo(nginx):
+    gw = os.path.join(ROOT, "examples", "gateway")
+    n = nginx(workers=2, http="""
+init_by_lua_block {
+    package.path = "%s/lua/?.lua;" .. package.path
+}
+init_worker_by_lua_block { require("gateway.watchdog").init_worker() }
+""" % gw, server="include %s/conf.d/watchdog.server.conf;" % gw)
+    r = n.get("/loom/demo/block?cpu_ms=150&socket_ms=150")
+    assert r.status == 200 and r.json()["blocked_ms"] == 300
+    n.wait_log(r"event loop blocked .* by GET /loom/demo/block")
+    data = None
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        data = n.get("/loom/blocking").json()
+        reports = [rep for w in data["workers"] for rep in w["reports"]]
+        if reports:
+            break
+        time.sleep(0.1)
+    assert data["workers"] and all("stats" in w for w in data["workers"])
+    rep = reports[0]
+    assert rep["request"]["uri"].startswith("/loom/demo/block")
+    assert rep["duration_ms"] >= 280
+    # both halves of the seed case are visible: CPU in the hashing loop,
+    # then off CPU in the socket receive
+    assert rep["on_cpu_ms"] + rep.get("runqueue_ms", 0) >= 100
+    assert rep["syscall"] == "recvfrom"
+    assert rep["backtrace"][0]["func"] == "blocking_receive"
+    assert any("hash_random_strings" in h["frame"] or "ngx_md5" in h["frame"]
+               for h in rep["hot"]), rep["hot"]
+    svg = n.get("/loom/blocking?format=svg")
+    assert svg.status == 200 and b"blocking_receive" in svg.body
+
+
+def test_long_stall_logged_while_it_lasts(nginx):
+    # an endless loop never ends its iteration: the thread itself logs a
+    # "still blocked" line, with the backtrace sampled so far
+    n = start(nginx)
+    result = {}
+
+    def call():
+        result["r"] = n.get("/cpu?ms=1800", timeout=20)
+
+    t = threading.Thread(target=call)
+    t.start()
+    try:
+        found = n.wait_log(r"event loop still blocked after (\d+) ms: "
+                           r"state R.*lua: [^\n]*watchdog_cases.lua:%d" %
+                           marker_line("burn"), timeout=3)
+        # logged during the stall, not after it
+        assert "r" not in result
+        assert 1000 <= int(found[0]) < 1800
+    finally:
+        t.join()
+    assert result["r"].status == 200
+    n.wait_log(r"event loop blocked (1[89]\d\d|[2-9]\d\d\d)\.\d ms")

@@ -249,7 +249,7 @@ class FakePubSub:
             return self._reply(h, 404, b"Not Found", "text/plain")
 
         if self.fast:
-            n = body.count(b'{"data":')
+            n = body.count(b'"data":')
             with self.lock:
                 first = self.next_id
                 self.next_id += n

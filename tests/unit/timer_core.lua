@@ -367,7 +367,7 @@ case("errors: traceback, creation site, counted", function()
     e.run_until(e.now + 1e6)
     eq(#e.logs, 2)
     for _, l in ipairs(e.logs) do
-        check(l:find("^error: %[loom.timer%] timer created at "
+        check(l:find("^error: %[loom.timer%] timer created at %S*"
                      .. "tests/unit/timer_core.lua:%d+"), l)
         check(l:find("kaboom", 1, true))
         check(l:find("stack traceback", 1, true), "traceback")

@@ -18,6 +18,7 @@ local sub = string.sub
 local match = string.match
 local error = error
 local setmetatable = setmetatable
+local pcall = pcall
 
 local DEFAULT_PORTS = { http = 80, https = 443 }
 local MAX_HEADER_LINES = 200
@@ -156,12 +157,17 @@ local function connect(self)
     if reused == 0 then
         self.connects = self.connects + 1
         if self.ssl then
-            local sess
-            sess, err = sock:sslhandshake(nil, self.server_name,
-                                          self.ssl_verify)
+            -- lua-resty-core 0.1.25 asserts when a handshake that finished
+            -- at once then failed verification: count that as a failure
+            local pok, sess, herr = pcall(sock.sslhandshake, sock, nil,
+                                          self.server_name, self.ssl_verify)
+            if not pok then
+                herr = "certificate verification failed"
+                sess = nil
+            end
             if not sess then
                 sock:close()
-                return nil, "failed to handshake: " .. err
+                return nil, "failed to handshake: " .. tostring(herr)
             end
         end
 

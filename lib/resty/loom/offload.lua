@@ -431,6 +431,7 @@ function _M.stats(self)
         threads = s.threads,
         queued = s.queued,
         running = s.running,
+        in_flight = s.queued + s.running,
         submitted = s.submitted,
         completed = s.completed,
         errors = s.errors,

@@ -47,6 +47,7 @@ local xpcall = xpcall
 local traceback = debug.traceback
 local error = error
 local setmetatable = setmetatable
+local pcall = pcall
 local concat = table.concat
 local tab_new = require "table.new"
 
@@ -599,7 +600,11 @@ local function dispatch(self, b)
         if hard and hard < deadline then
             deadline = hard
         end
-        local tok, err = self.cred:get(min(10, deadline - ngx_now()))
+        local cok, tok, err = pcall(self.cred.get, self.cred,
+                                    min(10, deadline - ngx_now()))
+        if not cok then
+            tok, err = nil, "failed to get token: " .. tostring(tok)
+        end
         if self.cred.kind ~= "none" and not tok then
             outcome, reason = "retry", err
         else
@@ -608,7 +613,12 @@ local function dispatch(self, b)
                 headers = headers .. "Authorization: Bearer " .. tok .. "\r\n"
             end
             self.requests = self.requests + 1
-            res, err = self.client:request("POST", self.path, headers, body)
+            local rok
+            rok, res, err = pcall(self.client.request, self.client, "POST",
+                                  self.path, headers, body)
+            if not rok then
+                res, err = nil, "failed to send: " .. tostring(res)
+            end
             if not res then
                 outcome, reason, status = "retry", err, nil
             else

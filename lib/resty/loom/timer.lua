@@ -25,6 +25,7 @@ local ERR = ngx.ERR
 local WARN = ngx.WARN
 local NOTICE = ngx.NOTICE
 local spawn = ngx.thread.spawn
+local ngx_sleep = ngx.sleep
 local worker_exiting = ngx.worker.exiting
 local native_at = ngx.timer.at
 local native_every = ngx.timer.every
@@ -77,6 +78,7 @@ local DEFAULTS = {
     max_names = 1000,
     fresh_ctx = false,
     precise_sites = false,
+    slice = 0.002,
 }
 
 
@@ -95,6 +97,7 @@ local next_rid = 0
 local runners = {}        -- rid -> { threads, spawns, done }
 local nrunners = 0
 local threads = 0         -- live lanes over all runners
+local parked = 0          -- lanes yielding to the event loop between jobs
 local counters = {
     runners_started = 0,
     handovers = 0,
@@ -144,6 +147,7 @@ local function engine()
             max_names = cfg.max_names,
             max_run_time = cfg.max_run_time or nil,
             precise_sites = cfg.precise_sites,
+            site_level = 5,         -- core.at() is called by _M.at()
         })
         if cfg.fresh_ctx then
             eng.pre_run = fresh_ctx
@@ -158,10 +162,23 @@ local runner_main
 local start_runner
 
 
+-- a lane runs queued callbacks back to back; after `slice` seconds of
+-- them it yields to the event loop (ngx.sleep(0)) so that a large batch
+-- does not hold up request processing
 local function lane(r)
     local e = eng
+    local slice = cfg.slice * 1e6
+    local start = clock()
     while e:run_next() do
-        -- nothing: run_next runs one queued callback
+        if e.last_end - start >= slice and e:queued() > 0 then
+            parked = parked + 1
+            ngx_sleep(0)
+            parked = parked - 1
+            -- let the runner look again: if a callback of this lane yields
+            -- next, it spawns another lane for the rest of the queue
+            sema:post(1)
+            start = clock()
+        end
     end
     r.threads = r.threads - 1
     threads = threads - 1
@@ -176,7 +193,12 @@ end
 -- "handover" when the runner should hand over to a fresh one, "bound" when
 -- the lane bound stops it (live lanes keep draining the queue), else nil
 local function dispatch(r, e)
+    local slice = cfg.slice * 1e6
+    local start = clock()
     while e:queued() > 0 do
+        if parked > 0 then
+            return "bound"          -- a lane pauses and then goes on
+        end
         if threads >= cfg.max_running then
             counters.thread_bound_hits = counters.thread_bound_hits + 1
             return "bound"
@@ -198,6 +220,12 @@ local function dispatch(r, e)
             ngx_log(ERR, "[loom.timer] failed to spawn a runner thread: ",
                     err)
             return "bound"
+        end
+        -- many yielding callbacks in a row: give the event loop a turn
+        local now = clock()
+        if now - start >= slice then
+            ngx_sleep(0)
+            start = clock()
         end
     end
     return nil

@@ -44,6 +44,14 @@ local ok_new, tbl_new = pcall(require, "table.new")
 if not ok_new then
     tbl_new = function() return {} end
 end
+local ok_clear, tbl_clear = pcall(require, "table.clear")
+if not ok_clear then
+    tbl_clear = function(t)
+        for k in pairs(t) do
+            t[k] = nil
+        end
+    end
+end
 
 
 pcall(ffi.cdef, [[
@@ -74,6 +82,7 @@ local STATE_NAMES = { [PENDING] = "pending", [QUEUED] = "queued",
 local F_CANCEL = 1
 local F_PAUSE = 2
 local F_PREMATURE = 4
+local F_EXTRA = 8           -- has a name, name statistics or max_run_time
 
 local ONCE = 0
 local FIXED_RATE = 1
@@ -83,6 +92,7 @@ local MODES = { fixed_rate = FIXED_RATE, fixed_delay = FIXED_DELAY }
 local ID_SPAN = 16777216            -- 2^24 ids
 local GEN_SPAN = 268435456          -- 2^28 generations
 local MAX_STACK = 12
+local MAX_CACHED = 4096
 
 
 local _M = {
@@ -134,6 +144,7 @@ function _M.new(opts)
         random = opts.random or random,
         with_stats = opts.stats ~= false,
         precise_sites = opts.precise_sites and true or false,
+        site_level = opts.site_level or 4,  -- stack level of at()'s caller
         max_rt = max_rt and max_rt * 1e6 or nil,
         max_names = max_names,
         sleep_until = nil,          -- set by the driver while it sleeps
@@ -163,7 +174,8 @@ function _M.new(opts)
         exiting = false,
         exit_deadline = nil,
         sites = {},
-        site_by_cb = setmetatable({}, { __mode = "k" }),
+        site_by_cb = {},            -- callback -> site record (bounded)
+        ncached = 0,
         name_stats = {},
         nnames = 0,
         totals = {
@@ -254,7 +266,10 @@ local function free_job(self, id)
     if j.state == PAUSED then
         self.paused = self.paused - 1
     end
-    release_name(self, id)
+    local extra = band(j.flags, F_EXTRA) ~= 0
+    if extra then
+        release_name(self, id)
+    end
     j.state = FREE
     j.flags = 0
     j.gen = (j.gen + 1) % GEN_SPAN
@@ -269,12 +284,14 @@ local function free_job(self, id)
         rec.pending = rec.pending - 1
         self.site[id] = nil
     end
-    rec = self.nrec[id]
-    if rec then
-        rec.pending = rec.pending - 1
-        self.nrec[id] = nil
+    if extra then
+        rec = self.nrec[id]
+        if rec then
+            rec.pending = rec.pending - 1
+            self.nrec[id] = nil
+        end
+        self.maxrt[id] = nil
     end
-    self.maxrt[id] = nil
     local n = self.nfree + 1
     self.free[n] = id
     self.nfree = n
@@ -347,7 +364,8 @@ local function site_for(self, cb)
             return rec
         end
     end
-    local level = 3
+    -- site_for (1) <- add (2) <- at/every (3) <- caller: self.site_level
+    local level = self.site_level
     local info = getinfo(level, "Sl")
     while info and is_ours(info.source) do
         level = level + 1
@@ -378,6 +396,15 @@ local function site_for(self, cb)
         self.sites[key] = rec
     end
     if not precise then
+        -- a strong cache, emptied when full: a weak-keyed table would make
+        -- every GC cycle walk the fresh closures of code that creates one
+        -- per timer
+        local n = self.ncached + 1
+        if n > MAX_CACHED then
+            tbl_clear(self.site_by_cb)
+            n = 1
+        end
+        self.ncached = n
         self.site_by_cb[cb] = rec
     end
     return rec
@@ -447,7 +474,8 @@ local function add(self, delay, interval, mode, opts, cb, n, ...)
         rec.created = rec.created + 1
         self.site[id] = rec
     end
-    if opts then
+    if opts and (name ~= nil or opts.max_run_time) then
+        j.flags = F_EXTRA
         if name ~= nil then
             self.name_of[id] = name
             self.names[name] = handle_of(self, id)
@@ -727,7 +755,8 @@ function _M.queued(self)
 end
 
 
-local function pop(self)
+-- skips stale entries (jobs cancelled or paused while queued)
+local function pop_slow(self)
     local qh, qt = self.qh, self.qt
     local jobs = self.jobs
     local q_id, q_tok = self.q_id, self.q_tok
@@ -750,6 +779,30 @@ local function pop(self)
     self.qh = 1
     self.qt = 0
     return nil
+end
+
+
+-- loop-free in the common case, so that the caller's loop compiles
+local function pop(self)
+    local qh, qt = self.qh, self.qt
+    if qh > qt then
+        self.qh = 1
+        self.qt = 0
+        return nil
+    end
+    local id = self.q_id[qh]
+    local j = self.jobs[id]
+    if j.state == QUEUED and j.qtok == self.q_tok[qh] then
+        local qtime = self.q_time[qh]
+        if qh >= qt then
+            self.qh = 1
+            self.qt = 0
+        else
+            self.qh = qh + 1
+        end
+        return id, qtime
+    end
+    return pop_slow(self)
 end
 
 
@@ -788,20 +841,22 @@ function _M.run_next(self)
     local mode = j.mode
     local totals = self.totals
     j.state = RUNNING
-    if mode == ONCE then
+    if mode == ONCE and band(j.flags, F_EXTRA) ~= 0 then
         release_name(self, id)      -- so the callback may reuse the name
     end
 
     local clock = self.clock
     local t0 = clock()
     if prem and self.exit_deadline and t0 > self.exit_deadline then
+        self.last_end = t0
         totals.dropped = totals.dropped + 1
         free_job(self, id)
         return true
     end
 
+    local extra = band(j.flags, F_EXTRA) ~= 0
     local rec = self.site[id]
-    local nrec = self.nrec[id]
+    local nrec = extra and self.nrec[id] or nil
     if rec then
         rec.running = rec.running + 1
     end
@@ -829,6 +884,7 @@ function _M.run_next(self)
     end
 
     local t1 = clock()
+    self.last_end = t1
     self.running = self.running - 1
     j = self.jobs[id]               -- the array may have grown meanwhile
     local rt = t1 - t0
@@ -856,7 +912,7 @@ function _M.run_next(self)
         totals.errors = totals.errors + 1
         report_error(self, id, rec, err)
     end
-    local mrt = self.maxrt[id] or self.max_rt
+    local mrt = extra and self.maxrt[id] or self.max_rt
     if mrt and rt > mrt then
         totals.overruns = totals.overruns + 1
         if rec then
@@ -878,7 +934,7 @@ function _M.run_next(self)
         free_job(self, id)
 
     elseif band(flags, F_PAUSE) ~= 0 then
-        j.flags = 0
+        j.flags = band(flags, F_EXTRA)
         j.state = PAUSED
         j.due = j.interval
         self.paused = self.paused + 1

@@ -96,9 +96,17 @@ local function link(self, id, tick)
         lvl = 0
 
     else
-        lvl = 1
-        while lvl < LEVELS - 1 and d >= SPAN[lvl + 1] do
-            lvl = lvl + 1
+        -- unrolled: an inner loop here would break the caller's trace
+        if d < 4096 then
+            lvl = 1
+        elseif d < 262144 then
+            lvl = 2
+        elseif d < 16777216 then
+            lvl = 3
+        elseif d < 1073741824 then
+            lvl = 4
+        else
+            lvl = 5
         end
         local t = tick
         if d > TOP then

@@ -1,0 +1,324 @@
+#!/usr/bin/env python3
+"""Benchmark of resty.loom.publish (bench-publish).
+
+nginx (2 workers) answers requests that each publish one 1 KiB message with
+three attributes, under `wrk -t1 -c64 -d<D>s --latency`. Scenarios, run
+side by side and alternated A B C ... A B C ...:
+
+  none          no publishing (the ceiling)
+  loom-fake     resty.loom.publish to the fake Pub/Sub in fast mode
+  naive-fake    one HTTP publish per request over a keep-alive cosocket,
+                waited for in the request (the "brute force" way)
+  loom-emu      resty.loom.publish to Google's Pub/Sub emulator
+  naive-emu     the naive way to the emulator
+
+Per run: requests/s, p50, p99, messages acknowledged per second (counted by
+the success callback / the naive handler), messages the sink received, HTTP
+publish requests per message, worker CPU (% of one core) and RSS. Medians
+per scenario go to bench/results/publish.json.
+
+Environment: BENCH_DURATION (10), BENCH_ROUNDS (3), BENCH_SCENARIOS
+(comma list), BENCH_CONNECTIONS (64).
+"""
+
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+from loomtest.nginx import Nginx  # noqa: E402
+from pubsub import emulator as E  # noqa: E402
+from pubsub.fake import FakePubSub  # noqa: E402
+
+DURATION = int(os.environ.get("BENCH_DURATION", "10"))
+ROUNDS = int(os.environ.get("BENCH_ROUNDS", "3"))
+CONNECTIONS = int(os.environ.get("BENCH_CONNECTIONS", "64"))
+SCENARIOS = os.environ.get(
+    "BENCH_SCENARIOS", "none,loom-fake,naive-fake,loom-emu,naive-emu"
+).split(",")
+PROJECT = "bench-proj"
+TOPIC = "bench-topic"
+
+HTTP = """
+lua_shared_dict bench 1m;
+init_worker_by_lua_block {
+    local publish = require "resty.loom.publish"
+    local http = require "resty.loom.http"
+    local shm = ngx.shared.bench
+    local conf = require("cjson").decode([==[%(conf)s]==])
+    BENCH = {}
+    -- one constant 1 KiB payload: per-request payload strings that differ
+    -- only in a counter would measure LuaJIT's string hash, not us
+    BENCH.data = string.rep("0123456789abcdef", 64)
+    if conf.sink then
+        BENCH.p = publish.new({
+            project = conf.project, topic = conf.topic,
+            emulator_host = conf.sink,
+            on_success = function(ids) shm:incr("acked", #ids, 0) end,
+            on_error = function(msgs, reason)
+                shm:incr("failed", #msgs, 0)
+                ngx.log(ngx.WARN, "bench publish failed: ", reason)
+            end,
+        })
+        local host, port = conf.sink:match("^(.+):(%%d+)$")
+        BENCH.naive = http.new({ host = host, port = tonumber(port),
+                                 pool_size = 128, read_timeout = 10 })
+        BENCH.path = "/v1/projects/" .. conf.project .. "/topics/"
+                     .. conf.topic .. ":publish"
+    end
+}
+"""
+
+SERVER = """
+location = /none {
+    content_by_lua_block {
+        local attrs = { host = "edge-1", path = ngx.var.uri,
+                        seq = tostring(ngx.var.connection_requests) }
+        if attrs then
+            -- the same bookkeeping as the publishing handlers
+            ngx.shared.bench:incr("accepted", 1, 0)
+        end
+        ngx.say("ok")
+    }
+}
+location = /loom {
+    content_by_lua_block {
+        local attrs = { host = "edge-1", path = ngx.var.uri,
+                        seq = tostring(ngx.var.connection_requests) }
+        local ok, err = BENCH.p:send(BENCH.data, attrs)
+        if ok then
+            ngx.shared.bench:incr("accepted", 1, 0)
+        else
+            ngx.shared.bench:incr("rejected", 1, 0)
+            ngx.status = 503
+        end
+        ngx.say("ok")
+    }
+}
+location = /naive {
+    content_by_lua_block {
+        local attrs = { host = "edge-1", path = ngx.var.uri,
+                        seq = tostring(ngx.var.connection_requests) }
+        local cjson = require "cjson"
+        local body = cjson.encode({ messages = { {
+            data = ngx.encode_base64(BENCH.data), attributes = attrs } } })
+        local res, err = BENCH.naive:request("POST", BENCH.path,
+            { ["Content-Type"] = "application/json" }, body)
+        if res and res.status == 200 then
+            ngx.shared.bench:incr("acked", 1, 0)
+        else
+            ngx.shared.bench:incr("failed", 1, 0)
+            ngx.status = 502
+        end
+        ngx.say("ok")
+    }
+}
+location = /counters {
+    content_by_lua_block {
+        local shm = ngx.shared.bench
+        local st = BENCH.p and BENCH.p:stats() or {}
+        ngx.say(require("cjson").encode({
+            acked = shm:get("acked") or 0, failed = shm:get("failed") or 0,
+            accepted = shm:get("accepted") or 0,
+            rejected = shm:get("rejected") or 0,
+            buffered = st.buffered_messages or 0 }))
+    }
+}
+"""
+
+
+def wrk(url):
+    out = subprocess.run(
+        ["wrk", "-t1", "-c%d" % CONNECTIONS, "-d%ds" % DURATION, "--latency",
+         url], capture_output=True, text=True, timeout=DURATION + 60).stdout
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
+
+    def lat(p):
+        m = re.search(r"^\s+%s%%\s+([\d.]+)(us|ms|s)\s*$" % p, out, re.M)
+        v, unit = float(m.group(1)), m.group(2)
+        return v / 1000 if unit == "us" else v * 1000 if unit == "s" else v
+    non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    total = re.search(r"(\d+) requests in", out)
+    return {"rps": rps, "p50_ms": lat(50), "p99_ms": lat(99),
+            "requests": int(total.group(1)),
+            "non2xx": int(non2xx.group(1)) if non2xx else 0}
+
+
+def cpu_ticks(pids):
+    t = 0
+    for p in pids:
+        with open("/proc/%d/stat" % p) as f:
+            rest = f.read().rsplit(")", 1)[1].split()
+        t += int(rest[11]) + int(rest[12])
+    return t
+
+
+def rss_kb(pids):
+    out = []
+    for p in pids:
+        with open("/proc/%d/status" % p) as f:
+            m = re.search(r"VmRSS:\s+(\d+) kB", f.read())
+        out.append(int(m.group(1)))
+    return out
+
+
+def counters(n):
+    return n.get("/counters").json()
+
+
+def start_nginx(sink):
+    conf = json.dumps({"sink": sink, "project": PROJECT, "topic": TOPIC})
+    n = Nginx(workers=2, http=HTTP % {"conf": conf}, server=SERVER,
+              error_log_level="warn", worker_connections=4096)
+    n.start()
+    return n
+
+
+def run_one(name, n, sink_obj):
+    path = "/none" if name == "none" else (
+        "/loom" if name.startswith("loom") else "/naive")
+    pids = n.worker_pids()
+    before = counters(n)
+    fake_before = (sink_obj.message_count, len(sink_obj.requests)) \
+        if isinstance(sink_obj, FakePubSub) else None
+    ticks0 = cpu_ticks(pids)
+    own0 = cpu_ticks([os.getpid()])
+    t0 = time.time()
+    res = wrk(n.url(path))
+    elapsed = time.time() - t0
+    ticks1 = cpu_ticks(pids)
+    own1 = cpu_ticks([os.getpid()])
+    # let the publisher drain what it holds
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        c = counters(n)
+        if c["buffered"] == 0 and (
+                name == "none" or name.startswith("naive")
+                or c["acked"] + c["failed"] - before["acked"]
+                - before["failed"] >= c["accepted"] - before["accepted"]):
+            break
+        time.sleep(0.2)
+    after = counters(n)
+    acked = after["acked"] - before["acked"]
+    if name.startswith("loom") and not isinstance(sink_obj, FakePubSub):
+        res["lost"] = (after["accepted"] - before["accepted"]) - acked
+    res.update({
+        "scenario": name,
+        "acked_messages": acked,
+        "acked_per_s": acked / DURATION,
+        "failed_messages": after["failed"] - before["failed"],
+        "rejected_sends": after["rejected"] - before["rejected"],
+        "worker_cpu_pct": 100.0 * (ticks1 - ticks0)
+        / os.sysconf("SC_CLK_TCK") / elapsed,
+        "worker_rss_kb": rss_kb(pids),
+        # the fake sink runs in this process (the emulator is a JVM)
+        "bench_process_cpu_pct": 100.0 * (own1 - own0)
+        / os.sysconf("SC_CLK_TCK") / elapsed,
+    })
+    if fake_before:
+        got = sink_obj.message_count - fake_before[0]
+        reqs = len(sink_obj.requests) - fake_before[1]
+        res["sink_messages"] = got
+        res["sink_requests"] = reqs
+        res["http_requests_per_message"] = reqs / got if got else None
+        if name.startswith("loom"):
+            # accepted sends that never reached the sink
+            res["lost"] = (after["accepted"] - before["accepted"]) - got
+    elif name != "none" and acked:
+        res["http_requests_per_message"] = (
+            1.0 if name.startswith("naive") else None)
+    return res
+
+
+def main():
+    # a TERM still stops nginx and the emulator (the finally below)
+    signal.signal(signal.SIGTERM, lambda *a: sys.exit(1))
+    fake = FakePubSub(fast=True)
+    emu = None
+    instances = {}
+    notes = []
+    try:
+        instances["fake"] = start_nginx(fake.host)
+        if any(s.endswith("-emu") for s in SCENARIOS):
+            why = E.unavailable()
+            if why:
+                notes.append("emulator scenarios skipped: " + why)
+            else:
+                emu = E.Emulator()
+                emu.create_topic(PROJECT, TOPIC)
+                instances["emu"] = start_nginx(emu.host)
+        runs = []
+        for r in range(ROUNDS):
+            for s in SCENARIOS:
+                if s.endswith("-emu") and "emu" not in instances:
+                    continue
+                inst = instances["emu" if s.endswith("-emu") else "fake"]
+                sink = emu if s.endswith("-emu") else fake
+                res = run_one(s, inst, sink)
+                res["round"] = r + 1
+                runs.append(res)
+                print(json.dumps(res), flush=True)
+        for inst in instances.values():
+            inst.stop()
+    finally:
+        fake.close()
+        if emu:
+            emu.close()
+        for inst in instances.values():
+            try:
+                inst.stop()
+            except RuntimeError:
+                pass
+
+    keys = ["rps", "p50_ms", "p99_ms", "acked_per_s", "worker_cpu_pct",
+            "http_requests_per_message", "lost", "non2xx"]
+    medians = {}
+    for s in SCENARIOS:
+        rs = [r for r in runs if r["scenario"] == s]
+        if not rs:
+            continue
+        m = {}
+        for k in keys:
+            vals = [r[k] for r in rs if r.get(k) is not None]
+            if vals:
+                m[k] = statistics.median(vals)
+        m["worker_rss_kb_max"] = max(max(r["worker_rss_kb"]) for r in rs)
+        m["runs"] = len(rs)
+        medians[s] = m
+    base = medians.get("none", {}).get("rps")
+    if base:
+        for s, m in medians.items():
+            m["rps_vs_none"] = m["rps"] / base
+            m["p99_minus_none_ms"] = m["p99_ms"] - medians["none"]["p99_ms"]
+    out = {
+        "benchmark": "bench-publish",
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "note": "measured on a shared 2-core machine with other developers' "
+                "load present; wrk, nginx (2 workers) and the sink share the "
+                "cores, so figures are noisy and conservative",
+        "setup": {"wrk": "-t1 -c%d -d%ds --latency" % (CONNECTIONS, DURATION),
+                  "rounds": ROUNDS, "workers": 2,
+                  "message": "1 KiB data, 3 attributes",
+                  "fake_sink": "tests/pubsub/fake.py fast mode (Python)",
+                  "emulator": E.find_jar()},
+        "notes": notes,
+        "medians": medians,
+        "runs": runs,
+    }
+    os.makedirs(os.path.join(ROOT, "bench", "results"), exist_ok=True)
+    path = os.path.join(ROOT, "bench", "results", "publish.json")
+    with open(path, "w") as f:
+        json.dump(out, f, indent=2)
+    print(json.dumps(medians, indent=2))
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()

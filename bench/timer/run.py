@@ -1,0 +1,384 @@
+#!/usr/bin/env python3
+"""bench-timer: resty.loom.timer next to native ngx.timer (and Kong's
+lua-resty-timer-ng when PEER_TIMER_NG names a checkout of it), side by side
+in one run, variants alternating, medians over the repetitions.
+
+  python3 bench/timer/run.py [--reps 3] [--duration 10] [--counts 0,1000,...]
+
+Writes bench/results/timer.json. Needs wrk and a built module (make build).
+The machine may be shared: the figures are noisy; see the "note" field.
+"""
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+from loomtest.nginx import Nginx  # noqa: E402
+
+PEER = os.environ.get("PEER_TIMER_NG")
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+HTTP = """
+lua_shared_dict bench 1m;
+lua_max_pending_timers 300000;
+lua_max_running_timers 300000;
+init_by_lua_block {
+    package.path = "%(root)s/bench/timer/?.lua;%(peer)s" .. package.path
+    require("timer_bench").init("%(variant)s")
+}
+init_worker_by_lua_block {
+    require("timer_bench").init_worker(%(n)d, %(iv)s)
+}
+"""
+
+SERVER = """
+location = / {
+    content_by_lua_block { ngx.say("hello") }
+}
+location = /micro {
+    content_by_lua_block {
+        local cjson = require "cjson"
+        local tb = require "timer_bench"
+        ngx.say(cjson.encode(tb.micro(tonumber(ngx.var.arg_n))))
+    }
+}
+location = /sleepers {
+    content_by_lua_block {
+        local ok, err = require("timer_bench").sleepers(
+            tonumber(ngx.var.arg_n))
+        ngx.say(ok and "ok" or err)
+    }
+}
+location = /park {
+    content_by_lua_block {
+        local ok, err = require("timer_bench").park(tonumber(ngx.var.arg_n))
+        ngx.say(ok and "ok" or err)
+    }
+}
+location = /get {
+    content_by_lua_block {
+        ngx.say(ngx.shared.bench:get(ngx.var.arg_k) or "nil")
+    }
+}
+"""
+
+
+def variants():
+    return ["native", "loom"] + (["ng"] if PEER else [])
+
+
+def start(variant, workers=2, n=0, iv=0.1):
+    peer = ""
+    if variant == "ng":
+        peer = "%s/lib/?.lua;" % PEER
+    http = HTTP % {"root": ROOT, "peer": peer, "variant": variant, "n": n,
+                   "iv": repr(iv)}
+    ngx = Nginx(workers=workers, http=http, server=SERVER,
+                main="worker_rlimit_nofile 20000;",
+                worker_connections=16384, error_log_level="warn",
+                shutdown_timeout="3s")
+    ngx.start()
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        if get(ngx, "ready") == str(workers):
+            break
+        time.sleep(0.1)
+    else:
+        raise RuntimeError("%s: workers not ready:\n%s" % (
+            variant, ngx.error_log()[-2000:]))
+    return ngx
+
+
+def get(ngx, key, timeout=10):
+    try:
+        return ngx.get("/get?k=" + key, timeout=timeout).text.strip()
+    except OSError:
+        return None
+
+
+def cpu_ticks(pids):
+    total = 0
+    for p in pids:
+        with open("/proc/%d/stat" % p) as f:
+            rest = f.read().rsplit(")", 1)[1].split()
+        total += int(rest[11]) + int(rest[12])
+    return total
+
+
+def rss_kb(pid):
+    with open("/proc/%d/status" % pid) as f:
+        return int(re.search(r"VmRSS:\s+(\d+)", f.read()).group(1))
+
+
+def pubs(ngx, workers):
+    """{worker: (count, early, published_at)} from the native publisher."""
+    out = {}
+    for w in range(workers):
+        v = get(ngx, "pub:%d" % w)
+        if not v or v == "nil":
+            return None
+        c, e, t = v.split()
+        out[w] = (int(c), int(e), float(t))
+    return out
+
+
+def rate(p0, p1):
+    if not p0 or not p1:
+        return None, None
+    r = 0.0
+    early = 0
+    for w in p0:
+        dt = p1[w][2] - p0[w][2]
+        if dt <= 0:
+            return None, None
+        r += (p1[w][0] - p0[w][0]) / dt
+        early += p1[w][1]
+    return r, early
+
+
+def wrk(url, duration):
+    res = subprocess.run(["wrk", "-t1", "-c64", "-d%ds" % duration,
+                          "--latency", url], capture_output=True, text=True,
+                         timeout=duration + 60)
+    out = res.stdout
+    m = re.search(r"Requests/sec:\s+([\d.]+)", out)
+    rps = float(m.group(1)) if m else 0.0
+    p99 = None
+    m = re.search(r"\s99%\s+([\d.]+)(us|ms|s)\b", out)
+    if m:
+        p99 = float(m.group(1)) * {"us": 0.001, "ms": 1, "s": 1000}[
+            m.group(2)]
+    m = re.search(r"Socket errors:.*timeout (\d+)", out)
+    timeouts = int(m.group(1)) if m else 0
+    return {"rps": rps, "p99_ms": p99, "timeouts": timeouts}
+
+
+def recurring_cell(variant, n, duration, idle_s):
+    ngx = start(variant, 2, n, 0.1)
+    try:
+        pids = ngx.worker_pids()
+        time.sleep(2)
+        p0, c0, t0 = pubs(ngx, 2), cpu_ticks(pids), time.time()
+        time.sleep(idle_s)
+        p1, c1, t1 = pubs(ngx, 2), cpu_ticks(pids), time.time()
+        idle_rate, _ = rate(p0, p1)
+        idle_cpu = (c1 - c0) / CLK_TCK / (t1 - t0) * 100
+        wrk(ngx.url("/"), 1)
+        p2, c2, t2 = pubs(ngx, 2), cpu_ticks(pids), time.time()
+        w = wrk(ngx.url("/"), duration)
+        c3, t3 = cpu_ticks(pids), time.time()
+        p3 = pubs(ngx, 2)
+        load_rate, early = rate(p2, p3)
+        expected = n * 10 * 2
+        cell = dict(w)
+        cell.update({
+            "variant": variant,
+            "timers_per_worker": n,
+            "worker_cpu_pct_load": (c3 - c2) / CLK_TCK / (t3 - t2) * 100,
+            "worker_cpu_pct_idle": idle_cpu,
+            "rss_mb_per_worker": sum(rss_kb(p) for p in pids) / 1024 / 2,
+            "callbacks_per_s_load": load_rate,
+            "callbacks_per_s_idle": idle_rate,
+            "expected_per_s": expected,
+            "callback_pct_load": (100 * load_rate / expected
+                                  if expected and load_rate else None),
+            "callback_pct_idle": (100 * idle_rate / expected
+                                  if expected and idle_rate else None),
+            "early_fires": early,
+        })
+        return cell
+    finally:
+        try:
+            ngx.stop()
+        except RuntimeError:
+            pass
+        ngx.cleanup()
+
+
+def micro_cell(variant, n=100000):
+    ngx = start(variant, 1)
+    try:
+        r = ngx.get("/micro?n=%d" % n, timeout=120)
+        out = json.loads(r.body)
+        out["variant"] = variant
+        return out
+    finally:
+        try:
+            ngx.stop()
+        except RuntimeError:
+            pass
+        ngx.cleanup()
+
+
+def sleepers_cell(variant, n=5000):
+    ngx = start(variant, 1)
+    try:
+        r = ngx.get("/sleepers?n=%d" % n, timeout=60)
+        assert r.text.strip() == "ok", r.text
+        deadline = time.time() + 90
+        while time.time() < deadline:
+            v = get(ngx, "sl_time")
+            if v and v != "nil":
+                return {"variant": variant, "seconds": float(v)}
+            time.sleep(0.05)
+        return {"variant": variant, "seconds": None,
+                "done": get(ngx, "sl_done")}
+    finally:
+        try:
+            ngx.stop()
+        except RuntimeError:
+            pass
+        ngx.cleanup()
+
+
+def idle_cell(variant, n=100000, window=10):
+    ngx = start(variant, 1)
+    try:
+        r = ngx.get("/park?n=%d" % n, timeout=60)
+        assert r.text.strip() == "ok", r.text
+        pids = ngx.worker_pids()
+        time.sleep(2)
+        c0, t0 = cpu_ticks(pids), time.time()
+        time.sleep(window)
+        c1, t1 = cpu_ticks(pids), time.time()
+        return {"variant": variant,
+                "cpu_pct_of_core": (c1 - c0) / CLK_TCK / (t1 - t0) * 100,
+                "window_s": window}
+    finally:
+        try:
+            ngx.stop()
+        except RuntimeError:
+            pass
+        ngx.cleanup()
+
+
+def median(vals):
+    vals = [v for v in vals if v is not None]
+    return statistics.median(vals) if vals else None
+
+
+def summarize(cells, keys):
+    out = {}
+    for k in keys:
+        out[k] = median([c.get(k) for c in cells])
+    out["runs"] = len(cells)
+    return out
+
+
+def loadavg():
+    with open("/proc/loadavg") as f:
+        return f.read().split()[:3]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--duration", type=int, default=10)
+    ap.add_argument("--idle", type=int, default=4)
+    ap.add_argument("--counts", default="0,1000,10000,50000")
+    ap.add_argument("--skip", default="", help="micro,recurring,sleep,idle")
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results",
+                                                  "timer.json"))
+    args = ap.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
+    counts = [int(x) for x in args.counts.split(",")]
+    vs = variants()
+    raw = {"micro": [], "recurring": [], "sleepers": [], "idle": []}
+    load_before = loadavg()
+    started = time.time()
+
+    def order(rep):
+        return vs if rep % 2 == 0 else list(reversed(vs))
+
+    for rep in range(args.reps):
+        if "micro" not in skip:
+            for v in order(rep):
+                c = micro_cell(v)
+                print("micro", c, flush=True)
+                raw["micro"].append(c)
+        if "sleep" not in skip:
+            for v in order(rep):
+                c = sleepers_cell(v)
+                print("sleepers", c, flush=True)
+                raw["sleepers"].append(c)
+        if "idle" not in skip:
+            for v in order(rep):
+                c = idle_cell(v)
+                print("idle", c, flush=True)
+                raw["idle"].append(c)
+        if "recurring" not in skip:
+            for n in counts:
+                for v in order(rep + counts.index(n)):
+                    c = recurring_cell(v, n, args.duration, args.idle)
+                    print("recurring", json.dumps(c), flush=True)
+                    raw["recurring"].append(c)
+
+    med = {"micro": {}, "sleepers": {}, "idle": {}, "recurring": {}}
+    for v in vs:
+        med["micro"][v] = summarize(
+            [c for c in raw["micro"] if c["variant"] == v],
+            ["schedule_us", "cancel_us", "heap_b", "rss_b",
+             "heap_after_cancel_b", "rss_after_cancel_b"])
+        med["sleepers"][v] = summarize(
+            [c for c in raw["sleepers"] if c["variant"] == v], ["seconds"])
+        med["idle"][v] = summarize(
+            [c for c in raw["idle"] if c["variant"] == v],
+            ["cpu_pct_of_core"])
+    keys = ["rps", "p99_ms", "timeouts", "worker_cpu_pct_load",
+            "worker_cpu_pct_idle", "rss_mb_per_worker",
+            "callbacks_per_s_load", "callbacks_per_s_idle", "expected_per_s",
+            "callback_pct_load", "callback_pct_idle", "early_fires"]
+    for n in counts:
+        row = {}
+        for v in vs:
+            row[v] = summarize([c for c in raw["recurring"]
+                                if c["variant"] == v
+                                and c["timers_per_worker"] == n], keys)
+        nat = row.get("native", {}).get("rps")
+        for v in vs:
+            if nat and row[v].get("rps") is not None:
+                row[v]["rps_vs_native"] = row[v]["rps"] / nat
+        med["recurring"][str(n)] = row
+
+    result = {
+        "benchmark": "bench-timer",
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "note": ("measured on a shared 2-core machine while other "
+                 "developers' builds, tests and benchmarks were running; "
+                 "wrk and nginx share the cores; figures are noisy, "
+                 "compare rows of the same run only"),
+        "setup": {
+            "variants": vs,
+            "peer_timer_ng": bool(PEER),
+            "reps": args.reps,
+            "wrk": "-t1 -c64 -d%ds --latency (after a 1 s warm-up)"
+                   % args.duration,
+            "recurring": "2 workers, N timers per worker every 0.1 s, "
+                         "trivial callback; idle window %d s" % args.idle,
+            "micro": "1 worker, 100k one-shot timers 60 s out, created in "
+                     "one request; memory after two full GCs",
+            "sleepers": "1 worker, 5000 at(0) jobs that each ngx.sleep(0.2)",
+            "idle": "1 worker, 100k timers 3600 s out, CPU over 10 s",
+            "loadavg_before": load_before,
+            "loadavg_after": loadavg(),
+            "wall_s": round(time.time() - started, 1),
+        },
+        "medians": med,
+        "raw": raw,
+    }
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2, sort_keys=True)
+    print(json.dumps(med, indent=2, sort_keys=True))
+
+
+if __name__ == "__main__":
+    main()

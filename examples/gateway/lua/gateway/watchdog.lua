@@ -1,0 +1,131 @@
+-- The example gateway's event-loop watchdog: started in every worker,
+-- GET /loom/blocking for the figures and reports, GET /loom/demo/block to
+-- see a report made (the error log gets one line for it too).
+
+
+local ffi = require "ffi"
+local cjson = require "cjson.safe"
+local watchdog = require "resty.loom.watchdog"
+
+local C = ffi.C
+local ngx_md5 = ngx.md5
+local random = math.random
+local tostring = tostring
+local tonumber = tonumber
+
+ffi.cdef[[
+int socket(int domain, int type, int protocol);
+int setsockopt(int fd, int level, int name, const void *val,
+               unsigned int len);
+long recv(int fd, void *buf, size_t len, int flags);
+int close(int fd);
+struct loom_gw_timeval { long tv_sec; long tv_usec; };
+]]
+
+local AF_INET = 2
+local SOCK_DGRAM = 2
+local SOL_SOCKET = 1
+local SO_RCVTIMEO = 20
+
+
+local _M = {}
+
+
+function _M.init_worker()
+    if not ngx.worker.id() then
+        return      -- a helper process: no event loop of requests
+    end
+    local ok, err = watchdog.start({ threshold = 100 })
+    if not ok then
+        ngx.log(ngx.ERR, "[gateway] failed to start the watchdog: ", err)
+    end
+end
+
+
+local function reply(status, body)
+    ngx.status = status
+    ngx.header["Content-Type"] = "application/json"
+    ngx.say(cjson.encode(body))
+end
+
+
+function _M.blocking()
+    local args = ngx.req.get_uri_args()
+    local limit = tonumber(args.limit)
+    local workers = watchdog.collect(2)
+
+    if args.format == "svg" then
+        local all = {}
+        for _, w in pairs(workers) do
+            for _, r in ipairs(w.reports or {}) do
+                all[#all + 1] = r
+            end
+        end
+        ngx.header["Content-Type"] = "image/svg+xml"
+        ngx.print(watchdog.flamegraph(all))
+        return
+    end
+
+    local out = {}
+    for id, w in pairs(workers) do
+        local reports = w.reports or {}
+        if limit then
+            local cut = {}
+            for i = 1, math.min(limit, #reports) do
+                cut[i] = reports[i]
+            end
+            reports = cut
+        end
+        out[#out + 1] = { worker = id, stats = w.stats, reports = reports }
+    end
+    table.sort(out, function(a, b)
+        return tostring(a.worker) < tostring(b.worker)
+    end)
+    reply(200, { workers = out })
+end
+
+
+-- the seed case: hashing random strings in a loop, then a blocking socket
+-- call (a UDP receive with a timeout: nobody sends)
+local function hash_random_strings(ms)
+    ngx.update_time()
+    local deadline = ngx.now() + ms / 1000
+    local last
+    repeat
+        for i = 1, 1000 do
+            last = ngx_md5(tostring(random()) .. i)
+        end
+        ngx.update_time()
+    until ngx.now() >= deadline
+    return last
+end
+
+
+local function blocking_receive(ms)
+    local fd = C.socket(AF_INET, SOCK_DGRAM, 0)
+    if fd < 0 then
+        return nil, "socket() failed"
+    end
+    local tv = ffi.new("struct loom_gw_timeval")
+    tv.tv_sec = math.floor(ms / 1000)
+    tv.tv_usec = (ms % 1000) * 1000
+    C.setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, tv, ffi.sizeof(tv))
+    local buf = ffi.new("char[16]")
+    local n = C.recv(fd, buf, 16, 0)
+    C.close(fd)
+    return tonumber(n)
+end
+
+
+function _M.demo()
+    local args = ngx.req.get_uri_args()
+    local cpu_ms = math.min(tonumber(args.cpu_ms) or 200, 5000)
+    local socket_ms = math.min(tonumber(args.socket_ms) or 150, 5000)
+    local digest = hash_random_strings(cpu_ms)
+    blocking_receive(socket_ms)
+    reply(200, { blocked_ms = cpu_ms + socket_ms, digest = digest,
+                 see = "/loom/blocking" })
+end
+
+
+return _M

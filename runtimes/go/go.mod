@@ -1,0 +1,3 @@
+module resty-loom
+
+go 1.22
