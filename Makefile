@@ -17,7 +17,7 @@ MODULE       := $(BUILD_DIR)/ngx_loom_module.so
 C_SOURCES    := $(wildcard src/*.c src/*.h include/*.h) config
 RUNTIMES     := $(patsubst %/Makefile,%,$(wildcard runtimes/*/Makefile))
 
-.PHONY: all deps build runtimes test lint run clean unit bench
+.PHONY: all deps build runtimes test lint run clean bench
 
 all: build
 
@@ -75,6 +75,12 @@ test: deps build runtimes lint
 # Starts the example gateway in the foreground on 127.0.0.1:8080.
 run: deps build runtimes
 	@examples/gateway/run.sh
+
+# make bench-<area> runs bench/<area>/run.py (writes bench/results/<area>.json)
+bench-%: deps build runtimes
+	$(PYTHON) bench/$*/run.py
+
+bench: bench-events bench-timer bench-offload bench-watchdog bench-publish
 
 clean:
 	rm -rf $(BUILD_DIR)

@@ -634,6 +634,7 @@ static ngx_int_t
 ngx_loom_offload_worker_init(u_char *err, size_t *errlen)
 {
     int                         fd;
+    Dl_info                     info;
     ngx_connection_t           *c;
     ngx_loom_offload_worker_t  *w;
 
@@ -655,6 +656,16 @@ ngx_loom_offload_worker_init(u_char *err, size_t *errlen)
                                "ngx_http_lua_ffi_sema_* not found")
                   - err;
         return NGX_ERROR;
+    }
+
+    /*
+     * nginx dlclose()s its modules at worker exit, while an abandoned
+     * runtime thread may still call into this one: keep it mapped
+     */
+    if (dladdr((void *) &ngx_loom_offload_module, &info) != 0
+        && info.dli_fname != NULL)
+    {
+        (void) dlopen(info.dli_fname, RTLD_NOW | RTLD_NOLOAD | RTLD_NODELETE);
     }
 
     fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);

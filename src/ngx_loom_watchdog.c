@@ -101,6 +101,7 @@ const loom_wd_sample_t *ngx_loom_ffi_watchdog_samples(int *n,
     const char **text);
 void ngx_loom_ffi_watchdog_samples_reset(void);
 double ngx_loom_ffi_watchdog_busy_ms(void);
+double ngx_loom_ffi_watchdog_wall(void);
 
 
 static ngx_http_module_t  ngx_loom_watchdog_module_ctx = {
@@ -155,6 +156,7 @@ static ngx_int_t (*wd_orig_process_events)(ngx_cycle_t *cycle,
 /* configuration; the thresholds are read by both threads */
 static loom_wd_conf_t   wd_conf;
 static int              wd_want;
+static int              wd_process_inited;
 static int              wd_enabled;
 static uint64_t         wd_threshold_ns;
 static uint64_t         wd_interval_ns;
@@ -197,6 +199,8 @@ static loom_wd_sample_t wd_samples[LOOM_WD_SAMPLES];
 static int              wd_nsamples;
 static char             wd_text[LOOM_WD_TEXT];
 static uint32_t         wd_text_used;
+static int              wd_mark_n;      /* samples of finished stalls */
+static uint32_t         wd_mark_used;
 
 /* thread side */
 static pthread_t        wd_thread;
@@ -212,6 +216,7 @@ static int              wd_bp_fd = -1;
 static uint64_t         wd_bp_seq;
 static uint64_t         wd_bp_pc;
 static int              wd_bp_cb_n;
+static uint64_t         wd_bp_cpu;
 static uint64_t         wd_logged_seq;
 
 
@@ -346,6 +351,11 @@ ngx_loom_ffi_watchdog_start(const loom_wd_conf_t *conf, void *sem,
         return LOOM_FFI_DECLINED;
     }
 
+    if (wd_process_inited) {
+        *err = "ngx_loom_module must be loaded after ngx_http_lua_module";
+        return LOOM_FFI_ERROR;
+    }
+
     wd_apply_conf(conf);
     wd_sem = sem;
     wd_want = 1;
@@ -407,6 +417,14 @@ ngx_loom_ffi_watchdog_busy_ms(void)
 }
 
 
+/* CLOCK_REALTIME in seconds, finer than ngx.now() */
+double
+ngx_loom_ffi_watchdog_wall(void)
+{
+    return (double) wd_clock(CLOCK_REALTIME) / 1e9;
+}
+
+
 int
 ngx_loom_ffi_watchdog_pop(loom_wd_report_t *out)
 {
@@ -453,6 +471,8 @@ ngx_loom_ffi_watchdog_samples_reset(void)
 
     wd_nsamples = 0;
     wd_text_used = 0;
+    wd_mark_n = 0;
+    wd_mark_used = 0;
 }
 
 
@@ -466,6 +486,8 @@ ngx_loom_wd_init_process(ngx_cycle_t *cycle)
     sigset_t          all, old;
     struct sigaction  sa;
     struct itimerval  tm;
+
+    wd_process_inited = 1;
 
     if (!wd_want
         || (ngx_process != NGX_PROCESS_WORKER
@@ -555,6 +577,11 @@ ngx_loom_wd_exit_process(ngx_cycle_t *cycle)
     wd_store(&wd_enabled, 0);
     wd_store(&wd_stop, 1);
     pthread_join(wd_thread, NULL);
+
+    /* a SIGPROF still pending must not sample the VM being closed */
+    wd_store(&wd_req_seq, 0);
+    wd_store(&wd_busy_since, 0);
+
     wd_thread_running = 0;
     wd_stats.running = 0;
     wd_sem = NULL;
@@ -703,6 +730,10 @@ ngx_loom_wd_finish(uint64_t now, uint64_t since, uint64_t busy)
     }
 
     r->lua_samples = (wd_load(&wd_cb_seq) == seq) ? wd_cb_n : 0;
+
+    /* the samples so far belong to finished stalls: keep them */
+    wd_mark_n = wd_nsamples;
+    wd_mark_used = wd_text_used;
     r->report_ms = (double) (wd_now() - since) / 1e6;
 
     if (wd_sem != NULL && wd_sema_post != NULL) {
@@ -784,7 +815,7 @@ ngx_loom_wd_profile_cb(void *data, lua_State *L, int samples, int vmstate)
 {
     int                n;
     int                sm_offcpu;
-    size_t             len;
+    size_t             len, bt_len;
     uint64_t           seq;
     const char        *s;
     loom_lua_debug_t   ar;
@@ -817,12 +848,20 @@ ngx_loom_wd_profile_cb(void *data, lua_State *L, int samples, int vmstate)
     wd_stats.samples++;
 
     if (n == 0) {
+        bt_len = ngx_min(len, LOOM_WD_BT_LEN - 1);
         pthread_mutex_lock(&wd_lock);
-        len = ngx_min(len, LOOM_WD_BT_LEN - 1);
-        ngx_memcpy(wd_first_bt, s, len);
-        wd_first_bt[len] = '\0';
+        ngx_memcpy(wd_first_bt, s, bt_len);
+        wd_first_bt[bt_len] = '\0';
         wd_first_bt_seq = seq;
         pthread_mutex_unlock(&wd_lock);
+    }
+
+    if (wd_nsamples > wd_mark_n
+        && wd_samples[wd_nsamples - 1].seq != seq)
+    {
+        /* early samples of an iteration that did not become a stall */
+        wd_nsamples = wd_mark_n;
+        wd_text_used = wd_mark_used;
     }
 
     if (wd_nsamples == LOOM_WD_SAMPLES
@@ -831,6 +870,16 @@ ngx_loom_wd_profile_cb(void *data, lua_State *L, int samples, int vmstate)
         wd_stats.samples_dropped++;
         return;
     }
+
+    sm = &wd_samples[wd_nsamples++];
+    sm->seq = seq;
+    sm->off = wd_text_used;
+    sm->len = (uint32_t) len;
+    sm->vmstate = vmstate;
+    sm->offcpu = sm_offcpu;
+
+    ngx_memcpy(wd_text + wd_text_used, s, len);
+    wd_text_used += len;
 
     if (sm_offcpu && wd_fn_seq != seq && wd_getinfo != NULL
         && wd_setfield != NULL)
@@ -845,15 +894,10 @@ ngx_loom_wd_profile_cb(void *data, lua_State *L, int samples, int vmstate)
         }
     }
 
-    sm = &wd_samples[wd_nsamples++];
-    sm->seq = seq;
-    sm->off = wd_text_used;
-    sm->len = (uint32_t) len;
-    sm->vmstate = vmstate;
-    sm->offcpu = sm_offcpu;
-
-    ngx_memcpy(wd_text + wd_text_used, s, len);
-    wd_text_used += len;
+    if (sm_offcpu) {
+        /* one sample per blocking call; the next request says its kind */
+        wd_store(&wd_req_offcpu, 0);
+    }
 }
 
 
@@ -1109,7 +1153,7 @@ wd_log_long(uint64_t seq, uint64_t elapsed, char state, long nr,
 static void
 ngx_loom_wd_tick(void)
 {
-    int                n;
+    int                n, early;
     char               state, *p, buf[256], wchan[48];
     long               nr;
     uint64_t           s1, s2, since, now, elapsed, pc, cpu, rq,
@@ -1156,9 +1200,15 @@ ngx_loom_wd_tick(void)
     elapsed = now > since ? now - since : 0;
     threshold = wd_load(&wd_threshold_ns);
 
-    if (elapsed < threshold) {
+    /*
+     * from half the threshold on, take one sample already: a stall that
+     * ends soon after the threshold still says what was running
+     */
+    if (elapsed < threshold / 2) {
         return;
     }
+
+    early = (elapsed < threshold);
 
     /* a stall in progress: look at the main thread */
 
@@ -1209,6 +1259,9 @@ ngx_loom_wd_tick(void)
     if (r->seq != s1) {
         ngx_memzero(r, sizeof(loom_wd_report_t));
         r->seq = s1;
+    }
+
+    if (!early && !r->detected) {
         r->detected = 1;
         r->detect_ms = (double) elapsed / 1e6;
     }
@@ -1246,9 +1299,19 @@ ngx_loom_wd_tick(void)
     n = (wd_load(&wd_cb_seq) == s1) ? wd_load(&wd_cb_n) : 0;
 
     if (wd_stats.profiler && n < wd_load(&wd_max_samples)
-        && wd_handler_installed())
+        && (!early || n == 0) && wd_handler_installed())
     {
-        if (state == 'R') {
+        if (state == 'R' && wd_bp_fd != -1 && wd_bp_seq == s1
+            && wd_bp_cb_n == n
+            && wd_clock(wd_main_clock) < wd_bp_cpu + 5000000)
+        {
+            /*
+             * the blocking call has returned (the thread may still wait
+             * for a CPU): its breakpoint sample is on its way, do not
+             * relabel it as a CPU sample
+             */
+
+        } else if (state == 'R') {
             wd_store(&wd_req_offcpu, 0);
             wd_store(&wd_req_seq, s1);
 
@@ -1274,6 +1337,7 @@ ngx_loom_wd_tick(void)
 
                 if (wd_bp_arm(s1, pc)) {
                     wd_bp_cb_n = n;
+                    wd_bp_cpu = wd_clock(wd_main_clock);
                     __atomic_fetch_add(&wd_stats.breakpoints, 1,
                                        __ATOMIC_RELAXED);
                     pthread_mutex_lock(&wd_lock);

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from test_offload_core import LIB, ROOT, call, start
+from test_offload_core import LIB, ROOT, call, start, wait_running
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -37,7 +37,7 @@ def test_hashing_does_not_block_the_event_loop(nginx):
 
     th = threading.Thread(target=hash_it)
     th.start()
-    time.sleep(0.05)
+    wait_running(n, 1)
     plain = []
     for _ in range(20):
         r = n.get("/plain")

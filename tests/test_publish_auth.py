@@ -2,6 +2,7 @@
 (checked with PyJWT), self-signed JWT, metadata server, 401 refresh, refresh
 before expiry by one worker for all, certificate verification."""
 
+import json
 import tempfile
 import time
 
@@ -115,6 +116,23 @@ def test_metadata_server(nginx, pki):
         assert "scopes=https%3A%2F%2Fwww.googleapis.com%2Fauth%2Fpubsub" \
             in req["path"]
         assert {r["auth"] for r in pub.requests} == {req["token"]}
+
+        # the metadata server may hand out a token with little life left:
+        # it is renewed at half-life, not before every publish (the first
+        # token is revoked, so one 401 and one refresh happen first)
+        meta.expires_in = 4
+        with meta.lock:
+            meta.tokens.clear()
+        start = time.time()
+        for i in range(12):
+            ok, _ = H.send(n, 5, "short%d" % i)
+            assert ok == 5
+            time.sleep(0.25)
+        assert pub.wait_messages(90) == 90
+        fetches = len(meta.metadata_requests) - 1
+        assert 1 <= fetches <= (time.time() - start) / 2 + 2, fetches
+        assert all(a["ok"] or a["token"] == req["token"]
+                   for a in pub.auth_log)
     finally:
         meta.close()
         pub.close()
@@ -185,3 +203,31 @@ def test_untrusted_certificate_is_refused(nginx, fake, pki):
     assert "handshake" in res["errors"][0]["reason"]
     assert fake.message_count == 0
     assert fake.requests == []
+
+
+def test_topics_share_one_token(nginx, fake, pki):
+    # a second topic with the same key, in every worker, next to the
+    # helper's publisher: still one token for all
+    n = H.publisher(nginx, conf(fake), workers=2, http=tls_http(pki) + """
+        init_by_lua_block {
+            SECOND_CONF = [==[%s]==]
+        }""" % json.dumps(dict(conf(fake), project="loom-proj",
+                                topic="topic-2")), server="""
+        location = /second { content_by_lua_block {
+            local publish = require "resty.loom.publish"
+            SECOND = SECOND or publish.new(
+                require("cjson").decode(SECOND_CONF))
+            for i = 1, 10 do
+                assert(SECOND:send("second-" .. i))
+            end
+            ngx.say("ok")
+        } }""")
+    ok, _ = H.send(n, 20, "first")
+    assert ok == 20
+    for _ in range(4):
+        assert n.get("/second").status == 200
+    assert fake.wait_messages(60) == 60
+    topics = {m["topic"] for m in fake.messages}
+    assert topics == {"topic-1", "topic-2"}
+    assert len(fake.token_requests) == 1
+    assert len({r["auth"] for r in fake.requests}) == 1

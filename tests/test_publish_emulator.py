@@ -16,11 +16,9 @@ pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
 PROJECT = "loom-proj"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def emu():
-    e = E.Emulator()
-    yield e
-    e.close()
+    return E.shared()
 
 
 @pytest.fixture

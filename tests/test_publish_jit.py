@@ -1,5 +1,5 @@
-"""send() stays on compiled traces: no trace aborts in resty.loom.publish
-while messages are queued."""
+"""send() stays on compiled traces: no NYI trace aborts in
+resty.loom.publish while messages are queued."""
 
 import os
 
@@ -11,7 +11,7 @@ def test_send_compiles_without_aborts(nginx):
             project = "loom-proj", topic = "topic-1",
             emulator_host = "127.0.0.1:9",      -- never reached
             batch_max_delay = 3600, buffer_max_messages = 1000000,
-            buffer_max_bytes = 1e9 })
+            buffer_max_bytes = 1e9, flush_timeout = 0.2 })
         local data = string.rep("0123456789abcdef", 64)
         local attrs = { host = "edge-1", path = "/x", seq = "1" }
         require("jit.v").on(ngx.var.arg_log)
@@ -22,6 +22,8 @@ def test_send_compiles_without_aborts(nginx):
         require("jit.v").off()
         ngx.say(p:stats().queued_messages)
     } }""")
+    # at exit the queue cannot be delivered (port 9): reported, as it should
+    n.allow_log(r"messages not delivered")
     log = os.path.join(n.prefix, "logs", "jit.log")
     r = n.get("/jit?log=" + log)
     assert r.status == 200 and r.text.strip() == "30000"
@@ -29,5 +31,11 @@ def test_send_compiles_without_aborts(nginx):
         lines = f.read().splitlines()
     traces = [l for l in lines if "publish.lua" in l]
     assert traces, lines
-    aborts = [l for l in traces if l.startswith("[TRACE ---")]
-    assert aborts == [], aborts
+    # loop-shape aborts ("inner loop in root trace") are the compiler
+    # picking other roots; NYI aborts or blacklisting would mean send()
+    # runs interpreted
+    bad = [l for l in traces if l.startswith("[TRACE ---")
+           and ("NYI" in l or "blacklist" in l)]
+    assert bad == [], bad
+    assert any(l.startswith("[TRACE ") and "---" not in l and
+               "publish.lua" in l for l in traces)

@@ -238,14 +238,25 @@ def get_json(n, path, timeout=120):
         return json.loads(r.read())
 
 
-def ctl(n, **kw):
+def ctl(n, timeout=120, **kw):
     q = "&".join("%s=%s" % kv for kv in kw.items())
-    with urllib.request.urlopen(n.url("/_bench/ctl?" + q), timeout=120) as r:
+    with urllib.request.urlopen(n.url("/_bench/ctl?" + q),
+                                timeout=timeout) as r:
         r.read()
 
 
-def stats(n):
-    return get_json(n, "/_bench/stats")
+def stats(n, timeout=120):
+    return get_json(n, "/_bench/stats", timeout)
+
+
+def try_stats(n, run, stage, timeout=20):
+    """Stats, or None (noted in run["stalled"]) when no worker answers in
+    time: a library that blocks both workers must not stall the bench."""
+    try:
+        return stats(n, timeout)
+    except OSError as e:
+        run.setdefault("stalled", []).append("%s: %r" % (stage, e))
+        return None
 
 
 def wait_ready(n, timeout=15):
@@ -327,7 +338,7 @@ def drain(n, lib, timeout=60):
     t0 = time.time()
     last, last_change = None, time.time()
     while True:
-        st = stats(n)
+        st = stats(n, 30)
         att, acc, recv, busy = totals(st)
         if not busy and all(v == acc for v in recv.values()):
             return time.time() - t0, st
@@ -357,7 +368,7 @@ def kong_run(lib, posters, scen, rep):
         wrk(n, WARMUP)
         ctl(n, posting=1)
         time.sleep(1)
-        s0 = stats(n)
+        s0 = try_stats(n, run, "before wrk")
         cpu0 = [proc_cpu(p) for p in pids]
         m0 = machine_busy()
         ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -367,9 +378,11 @@ def kong_run(lib, posters, scen, rep):
         ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
         m1 = machine_busy()
         cpu1 = [proc_cpu(p) for p in pids]
-        s1 = stats(n)
-        ctl(n, posting=0)
-        drain_s, fin = drain(n, lib)
+        s1 = try_stats(n, run, "after wrk")
+        try:
+            ctl(n, posting=0, timeout=20)
+        except OSError as e:
+            run.setdefault("stalled", []).append("stop posting: %r" % e)
         run.update(w)
         run["worker_cpu_pct"] = [round(100 * (b - a) / elapsed, 1)
                                  for a, b in zip(cpu0, cpu1)]
@@ -381,16 +394,21 @@ def kong_run(lib, posters, scen, rep):
         run["machine_cpu_pct"] = round(busy_pct, 1)
         run["other_cpu_pct"] = round(
             busy_pct - run["workers_cpu_pct"] - run["wrk_cpu_pct"], 1)
-        a0, _, r0, _ = totals(s0)
-        a1, _, r1, _ = totals(s1)
-        run["attempts_per_s_during_wrk"] = round((a1 - a0) / elapsed)
         run["nominal_per_s"] = (count / interval
                                 * (2 if posters == "all" else 1))
+        if s0 and s1:
+            a0, _, r0, _ = totals(s0)
+            a1, _, r1, _ = totals(s1)
+            run["attempts_per_s_during_wrk"] = round((a1 - a0) / elapsed)
+            run["delivered_during_wrk"] = {k: r1[k] - r0[k] for k in r1}
+        if run.get("stalled"):
+            log("stalled:", run["stalled"])
+            return run
+        drain_s, fin = drain(n, lib)
         att, acc, recv, _ = totals(fin)
         run["attempted"] = att
         run["accepted"] = acc
         run["delivered"] = recv
-        run["delivered_during_wrk"] = {k: r1[k] - r0[k] for k in r1}
         run["lost_worst_worker"] = max((att - v for v in recv.values()),
                                        default=0)
         run["drain_s"] = round(drain_s, 2)
@@ -400,8 +418,8 @@ def kong_run(lib, posters, scen, rep):
         run["tick_ms_avg"] = round(1000 * ts / tk, 2) if tk else None
         run["tick_ms_max"] = round(1000 * max(
             (x.get("tick_max") or 0) for x in ws), 2) if tk else None
-        run["publish_us_per_call"] = (round(1e6 * ts / (tk * count), 2)
-                                      if tk and count else None)
+        run["tick_us_per_event"] = (round(1e6 * ts / (tk * count), 2)
+                                    if tk and count else None)
         errs = {}
         for x in ws:
             for k, v in (x.get("errors") or {}).items():
@@ -419,6 +437,12 @@ def kong_run(lib, posters, scen, rep):
                     x["p50"] for x in lat), 3)
                 run["bus_latency_p99_ms"] = round(1000 * max(
                     x["p99"] for x in lat), 3)
+    except Exception as e:  # noqa: BLE001
+        run["error"] = repr(e)
+        try:
+            ctl(n, posting=0, timeout=20)
+        except OSError:
+            pass
     finally:
         run["loadavg_after"] = loadavg()
         try:
@@ -544,19 +568,30 @@ def kong_medians(runs):
         if k not in keys:
             keys.append(k)
     for posters, scen, lib in keys:
-        rs = [r for r in runs if (r["posters"], r["scenario"], r["lib"])
-              == (posters, scen, lib) and r.get("rps") is not None]
+        cell = [r for r in runs if (r["posters"], r["scenario"], r["lib"])
+                == (posters, scen, lib)]
+        rs = [r for r in cell if r.get("rps") is not None]
+        full = [r for r in rs if r.get("attempted") is not None]
+        failed = [r.get("error") or r.get("stalled") or r.get("skipped")
+                  for r in cell if r not in full]
         if not rs:
+            out.append({"posters": posters, "scenario": scen, "lib": lib,
+                        "runs": 0, "failed_runs": len(failed),
+                        "failures": failed})
             continue
         m = {"posters": posters, "scenario": scen, "lib": lib,
-             "runs": len(rs)}
+             "runs": len(rs), "complete_runs": len(full),
+             "failed_runs": len(failed)}
+        if failed:
+            m["failures"] = failed
         for f in ("rps", "p50_ms", "p99_ms", "workers_cpu_pct",
                   "wrk_cpu_pct", "other_cpu_pct", "attempts_per_s_during_wrk",
                   "nominal_per_s", "tick_ms_avg", "tick_ms_max",
-                  "publish_us_per_call", "drain_s", "bus_latency_p50_ms",
+                  "tick_us_per_event", "drain_s", "bus_latency_p50_ms",
                   "bus_latency_p99_ms"):
             m[f] = med(r.get(f) for r in rs)
-        if scen != "none":
+        rs = full
+        if scen != "none" and rs:
             m["delivered_pct_of_attempted_worst"] = med(
                 100 * min(r["delivered"].values()) / r["attempted"]
                 if r["attempted"] else None for r in rs)
@@ -571,7 +606,7 @@ def kong_medians(runs):
     # RPS relative to the same library's no-event run
     base = {m["lib"]: m["rps"] for m in out if m["scenario"] == "none"}
     for m in out:
-        if base.get(m["lib"]) and m["rps"]:
+        if base.get(m["lib"]) and m.get("rps"):
             m["rps_pct_of_none"] = round(100 * m["rps"] / base[m["lib"]], 1)
     return out
 
@@ -612,8 +647,8 @@ def raw_medians(runs):
 def targets(kong, raw):
     def cell(posters, scen, lib):
         for m in kong:
-            if (m["posters"], m["scenario"], m["lib"]) == (posters, scen,
-                                                           lib):
+            if (m["posters"], m["scenario"], m["lib"]) == (
+                    posters, scen, lib) and m["runs"]:
                 return m
         return None
 
@@ -621,7 +656,7 @@ def targets(kong, raw):
     for posters in ("one", "all"):
         c = cell(posters, "C", "loom")
         if c:
-            ok_del = c["all_delivered_runs"] == c["runs"]
+            ok_del = c.get("all_delivered_runs") == c["runs"]
             res.append({
                 "target": "10,000 / 0.1 s (%s posting): every event "
                           "delivered, RPS >= 85%% of none, p99 < 10 ms"
@@ -638,7 +673,7 @@ def targets(kong, raw):
         d = cell(posters, "D", "loom")
         if d:
             peer = cell(posters, "D", "worker-events")
-            ok_del = d["all_delivered_runs"] == d["runs"]
+            ok_del = d.get("all_delivered_runs") == d["runs"]
             ratio = (round(d["rps"] / peer["rps"], 2)
                      if peer and peer["rps"] else None)
             res.append({
@@ -702,11 +737,17 @@ def markdown(data):
         lines.append("| posters | scenario | library | req/s | % of none "
                      "| p50 ms | p99 ms | workers CPU % | publish attempts/s "
                      "(nominal) | accepted | delivered / attempted (worst "
-                     "worker) | runs all delivered | publish µs/call | "
+                     "worker) | runs all delivered | tick µs/event | "
                      "tick ms avg / max | bus p99 ms | drain s |")
         lines.append("|" + "---|" * 16)
         for m in kong:
             sc = SCENARIOS[m["scenario"]][2]
+            if not m["runs"]:
+                lines.append("| %s | %s | %s | all %d run(s) failed: %s |"
+                             % (m["posters"], sc, LIB_NAMES[m["lib"]],
+                                m["failed_runs"], "; ".join(
+                                    str(f)[:80] for f in m["failures"])))
+                continue
             lines.append("| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s "
                          "| %s | %s | %s | %s | %s | %s |" % (
                              m["posters"], sc, LIB_NAMES[m["lib"]],
@@ -723,8 +764,8 @@ def markdown(data):
                                      "delivered_pct_of_attempted_worst")
                              is not None else "-",
                              "-" if m["scenario"] == "none" else "%d/%d" % (
-                                 m["all_delivered_runs"], m["runs"]),
-                             fmt(m["publish_us_per_call"], 2),
+                                 m.get("all_delivered_runs", 0), m["runs"]),
+                             fmt(m["tick_us_per_event"], 2),
                              "-" if m["tick_ms_avg"] is None else "%s / %s" % (
                                  fmt(m["tick_ms_avg"], 1),
                                  fmt(m["tick_ms_max"], 0)),
@@ -806,12 +847,24 @@ def main():
 
     if "kong" in PARTS:
         runs = []
+        stalled = set()
         for rep in range(1, REPEAT + 1):
             for i, (posters, scen) in enumerate(cells):
                 order = libs if (rep + i) % 2 == 0 else libs[::-1]
                 for lib in order:
+                    if (lib, posters, scen) in stalled:
+                        log("skipping", lib, posters, scen, "rep", rep,
+                            "(stalled before)")
+                        runs.append({"lib": lib, "posters": posters,
+                                     "scenario": scen, "rep": rep,
+                                     "skipped": "stalled in an earlier "
+                                     "repetition; not repeated"})
+                        continue
                     try:
-                        runs.append(kong_run(lib, posters, scen, rep))
+                        r = kong_run(lib, posters, scen, rep)
+                        runs.append(r)
+                        if r.get("stalled") and lib != "loom":
+                            stalled.add((lib, posters, scen))
                     except Exception as e:  # noqa: BLE001
                         log("run failed:", lib, posters, scen, rep, e)
                         runs.append({"lib": lib, "posters": posters,

@@ -265,9 +265,10 @@ def main():
                     r = json.loads(get("%s/seq?m=%s&s=%s&n=%d" % (
                         base, m, s, args.calls)))
                     seq[(m, s)].append(r)
-                    print("seq  %-6s %5s B  %7.2f us/call  p50 %6.2f  "
-                          "p99 %6.2f" % (m, s, r["us_per_call"], r["p50"],
-                                         r["p99"]), flush=True)
+                    print("seq  %-6s %5s B  %7.2f us/call  loop cpu %6.2f  "
+                          "p50 %6.2f  p99 %6.2f" % (
+                              m, s, r["us_per_call"], r["loop_cpu_us"],
+                              r["p50"], r["p99"]), flush=True)
 
         conc_mechs = mechs + ["none"]
         conc = {(m, s): [] for m in conc_mechs for s in SIZES}
@@ -297,6 +298,7 @@ def main():
     for (m, s), rs in seq.items():
         results["sequential"].setdefault(m, {})[s] = {
             "us_per_call": med([r["us_per_call"] for r in rs]),
+            "loop_cpu_us_per_call": med([r["loop_cpu_us"] for r in rs]),
             "p50_us": med([r["p50"] for r in rs]),
             "p99_us": med([r["p99"] for r in rs]),
             "runs": [r["us_per_call"] for r in rs],

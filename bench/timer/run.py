@@ -78,7 +78,7 @@ def variants():
 def start(variant, workers=2, n=0, iv=0.1):
     peer = ""
     if variant == "ng":
-        peer = "%s/lib/?.lua;" % PEER
+        peer = "%s/lib/?.lua;%s/lib/?/init.lua;" % (PEER, PEER)
     http = HTTP % {"root": ROOT, "peer": peer, "variant": variant, "n": n,
                    "iv": repr(iv)}
     ngx = Nginx(workers=workers, http=http, server=SERVER,
@@ -92,8 +92,14 @@ def start(variant, workers=2, n=0, iv=0.1):
             break
         time.sleep(0.1)
     else:
-        raise RuntimeError("%s: workers not ready:\n%s" % (
-            variant, ngx.error_log()[-2000:]))
+        log = ngx.error_log()[-2000:]
+        try:
+            ngx.stop()
+        except RuntimeError:
+            pass
+        ngx.cleanup()
+        raise RuntimeError("%s: workers not ready in 60 s:\n%s" % (
+            variant, log))
     return ngx
 
 
@@ -278,8 +284,80 @@ def loadavg():
         return f.read().split()[:3]
 
 
+def fmt(v, nd=1, pct=False):
+    if v is None:
+        return "n/a"
+    if pct:
+        return "%.1f%%" % v
+    if isinstance(v, float):
+        return ("%%.%df" % nd) % v
+    return str(v)
+
+
+def table(path):
+    """Markdown tables of a results file (for docs/timer.md)."""
+    with open(path) as f:
+        res = json.load(f)
+    med = res["medians"]
+    vs = res["setup"]["variants"]
+    names = {"native": "native ngx.timer", "loom": "resty.loom.timer",
+             "ng": "lua-resty-timer-ng 0.2.7"}
+    out = ["Measured %s, %d repetitions, medians. %s." % (
+        res["date"], res["setup"]["reps"], res["note"].capitalize()), ""]
+    out.append("100k one-shot timers 60 s out (1 worker):")
+    out.append("")
+    out.append("| | schedule µs | cancel µs | heap B/timer | RSS B/timer "
+               "| heap B/timer after cancel + GC |")
+    out.append("|---|---|---|---|---|---|")
+    for v in vs:
+        m = med["micro"][v]
+        out.append("| %s | %s | %s | %s | %s | %s |" % (
+            names[v], fmt(m["schedule_us"], 2), fmt(m["cancel_us"], 3),
+            fmt(m["heap_b"], 0), fmt(m["rss_b"], 0),
+            fmt(m["heap_after_cancel_b"], 0)))
+    out.append("")
+    out.append("5,000 one-shot jobs that each sleep 0.2 s (1 worker), and "
+               "idle CPU with 100k timers pending an hour out:")
+    out.append("")
+    out.append("| | all 5,000 done after (s) | idle CPU, % of a core |")
+    out.append("|---|---|---|")
+    for v in vs:
+        out.append("| %s | %s | %s |" % (
+            names[v], fmt(med["sleepers"][v]["seconds"], 2),
+            fmt(med["idle"][v]["cpu_pct_of_core"], 2)))
+    out.append("")
+    out.append("2 workers serving `ngx.say(\"hello\")` under `wrk -t1 -c64 "
+               "-d10s --latency`, N recurring timers per worker at 0.1 s "
+               "(callbacks: % of the expected N x 20 per second; CPU: both "
+               "workers, % of one core):")
+    out.append("")
+    out.append("| N | variant | RPS | vs native | p99 ms | CPU load / idle "
+               "| RSS MB/worker | callbacks load | callbacks idle "
+               "| early fires |")
+    out.append("|---|---|---|---|---|---|---|---|---|---|")
+    for n, row in sorted(med["recurring"].items(), key=lambda x: int(x[0])):
+        for v in vs:
+            m = row[v]
+            out.append("| %s | %s | %s | %s | %s | %s / %s | %s | %s | %s "
+                       "| %s |" % (
+                           "{:,}".format(int(n)), names[v],
+                           fmt(m["rps"], 0), fmt(m.get("rps_vs_native"), 2),
+                           fmt(m["p99_ms"], 1),
+                           fmt(m["worker_cpu_pct_load"], 0),
+                           fmt(m["worker_cpu_pct_idle"], 0),
+                           fmt(m["rss_mb_per_worker"], 1),
+                           fmt(m["callback_pct_load"], pct=True)
+                           if int(n) else "-",
+                           fmt(m["callback_pct_idle"], pct=True)
+                           if int(n) else "-",
+                           fmt(m["early_fires"], 0) if int(n) else "-"))
+    return "\n".join(out)
+
+
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--table", action="store_true",
+                    help="print the markdown tables of --out and exit")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--duration", type=int, default=10)
     ap.add_argument("--idle", type=int, default=4)
@@ -288,39 +366,52 @@ def main():
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results",
                                                   "timer.json"))
     args = ap.parse_args()
+    if args.table:
+        print(table(args.out))
+        return
     skip = set(filter(None, args.skip.split(",")))
     counts = [int(x) for x in args.counts.split(",")]
     vs = variants()
     raw = {"micro": [], "recurring": [], "sleepers": [], "idle": []}
+    failures = []
     load_before = loadavg()
     started = time.time()
 
     def order(rep):
         return vs if rep % 2 == 0 else list(reversed(vs))
 
+    def attempt(kind, fn, *a):
+        try:
+            c = fn(*a)
+        except Exception as e:          # a variant that collapses
+            failures.append({"kind": kind, "args": [str(x) for x in a],
+                             "error": str(e)[:300]})
+            print(kind, "FAILED", a, str(e)[:200], flush=True)
+            return
+        print(kind, json.dumps(c), flush=True)
+        raw[kind].append(c)
+        write(args, raw, failures, counts, vs, load_before, started)
+
     for rep in range(args.reps):
         if "micro" not in skip:
             for v in order(rep):
-                c = micro_cell(v)
-                print("micro", c, flush=True)
-                raw["micro"].append(c)
+                attempt("micro", micro_cell, v)
         if "sleep" not in skip:
             for v in order(rep):
-                c = sleepers_cell(v)
-                print("sleepers", c, flush=True)
-                raw["sleepers"].append(c)
+                attempt("sleepers", sleepers_cell, v)
         if "idle" not in skip:
             for v in order(rep):
-                c = idle_cell(v)
-                print("idle", c, flush=True)
-                raw["idle"].append(c)
+                attempt("idle", idle_cell, v)
         if "recurring" not in skip:
             for n in counts:
                 for v in order(rep + counts.index(n)):
-                    c = recurring_cell(v, n, args.duration, args.idle)
-                    print("recurring", json.dumps(c), flush=True)
-                    raw["recurring"].append(c)
+                    attempt("recurring", recurring_cell, v, n,
+                            args.duration, args.idle)
+    write(args, raw, failures, counts, vs, load_before, started)
+    print(table(args.out))
 
+
+def write(args, raw, failures, counts, vs, load_before, started):
     med = {"micro": {}, "sleepers": {}, "idle": {}, "recurring": {}}
     for v in vs:
         med["micro"][v] = summarize(
@@ -352,9 +443,9 @@ def main():
         "benchmark": "bench-timer",
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "note": ("measured on a shared 2-core machine while other "
-                 "developers' builds, tests and benchmarks were running; "
-                 "wrk and nginx share the cores; figures are noisy, "
-                 "compare rows of the same run only"),
+                 "developers' builds, tests and benchmarks were running "
+                 "(load average in setup); wrk and nginx share the cores; "
+                 "figures are noisy, compare rows of the same run only"),
         "setup": {
             "variants": vs,
             "peer_timer_ng": bool(PEER),
@@ -363,21 +454,23 @@ def main():
                    % args.duration,
             "recurring": "2 workers, N timers per worker every 0.1 s, "
                          "trivial callback; idle window %d s" % args.idle,
-            "micro": "1 worker, 100k one-shot timers 60 s out, created in "
-                     "one request; memory after two full GCs",
+            "micro": "1 worker, 100k one-shot timers 60 s out created in "
+                     "one request after 10k warm-up ones; memory after two "
+                     "full GCs",
             "sleepers": "1 worker, 5000 at(0) jobs that each ngx.sleep(0.2)",
             "idle": "1 worker, 100k timers 3600 s out, CPU over 10 s",
             "loadavg_before": load_before,
-            "loadavg_after": loadavg(),
+            "loadavg_now": loadavg(),
             "wall_s": round(time.time() - started, 1),
         },
+        "failures": failures,
         "medians": med,
         "raw": raw,
     }
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
+    with open(args.out + ".tmp", "w") as f:
         json.dump(result, f, indent=2, sort_keys=True)
-    print(json.dumps(med, indent=2, sort_keys=True))
+    os.rename(args.out + ".tmp", args.out)
 
 
 if __name__ == "__main__":

@@ -66,14 +66,12 @@ function _M.handle()
     repeat line = sock:receive("*l") until line == "" or not line
     assert(sock:send(KINDS[kind]()))
     -- the broker must close the connection (after a reject frame or not)
-    local got = {}
     while true do
         local data, err = sock:receiveany(65536)
         if not data then
             ngx.say(err == "closed" and "closed" or ("not closed: " .. err))
             break
         end
-        got[#got + 1] = data
     end
     sock:close()
 end

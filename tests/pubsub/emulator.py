@@ -1,6 +1,7 @@
 """Google's Pub/Sub emulator (the Google Cloud CLI's pubsub-emulator
 component) on a loopback port, driven over its REST interface."""
 
+import atexit
 import base64
 import glob
 import os
@@ -130,3 +131,16 @@ class Emulator:
                                   json={"ackIds": acks}, timeout=10)
             assert r.ok, r.text
         return out
+
+
+_shared = None
+
+
+def shared():
+    """One emulator for the whole test process (stopped at exit); tests
+    keep apart by using their own topics."""
+    global _shared
+    if _shared is None or _shared.proc.poll() is not None:
+        _shared = Emulator()
+        atexit.register(_shared.close)
+    return _shared

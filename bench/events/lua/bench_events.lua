@@ -165,9 +165,13 @@ local function kong_poster(premature)
         if shm:get("posting") == 1 then
             local t0 = mono()
             busy = 1
-            for _ = 1, n do
+            for i = 1, n do
                 seq = seq + 1
                 publish_one(seq)
+                -- a tick stops early once the runner stopped posting
+                if i % 1000 == 0 and shm:get("posting") ~= 1 then
+                    break
+                end
             end
             local dt = mono() - t0
             ticks = ticks + 1

@@ -11,6 +11,16 @@ require "resty.core.phase"
 require "ngx.semaphore"     -- declares ngx_http_lua_sema_t and its FFI
 
 
+-- string.buffer (OpenResty's LuaJIT) for payloads and answers, optional
+local BUFFER_MT
+do
+    local ok, buffer = pcall(require, "string.buffer")
+    if ok then
+        BUFFER_MT = getmetatable(buffer.new())
+    end
+end
+
+
 local C = ffi.C
 local ffi_new = ffi.new
 local ffi_str = ffi.string
@@ -24,6 +34,7 @@ local ngx_now = ngx.now
 local ngx_update_time = ngx.update_time
 local ngx_worker_id = ngx.worker.id
 local type = type
+local getmetatable = getmetatable
 local error = error
 local tostring = tostring
 local setmetatable = setmetatable
@@ -108,7 +119,7 @@ local DEFAULT_THREADS = 2
 local DEFAULT_QUEUE = 1024
 local DEFAULT_TIMEOUT = 10
 local DEFAULT_GRACE = 5
-local DEFAULT_SPIN_US = 50
+local DEFAULT_SPIN_US = 20
 local DEFAULT_POLL_US = 10
 
 local STATES = { [0] = "starting", "ready", "failed", "closed" }
@@ -280,7 +291,7 @@ function _M.call(self, payload, opts)
     if type(payload) == "string" then
         data, len = payload, #payload
 
-    elseif type(payload) == "userdata" and payload.ref then
+    elseif BUFFER_MT and getmetatable(payload) == BUFFER_MT then
         -- a string.buffer: its bytes are read in place
         data, len = payload:ref()
 

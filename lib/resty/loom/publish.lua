@@ -1,8 +1,8 @@
 -- Batched, non-blocking publishing to Google Cloud Pub/Sub.
 --
 -- send() validates a message against Pub/Sub's limits, encodes it straight
--- into the current batch's string.buffer (base64 through resty.core's FFI
--- encoder: no payload strings are created) and returns; it never yields.
+-- into the current batch's string.buffer (base64 written through the FFI:
+-- no payload strings are created) and returns; it never yields.
 -- Per worker and topic, batches are cut by count, bytes or delay, one batch
 -- per ordering key at a time; a pool of light threads in one timer sends
 -- them over keep-alive connections, retrying transient failures with
@@ -11,15 +11,13 @@
 
 
 local buffer = require "string.buffer"
-local ffi = require "ffi"
 local cjson = require "cjson.safe"
 local semaphore = require "ngx.semaphore"
 local http = require "resty.loom.http"
 local auth = require "resty.loom.publish.auth"
 local histogram = require "resty.loom.histogram"
-require "resty.core.base64"   -- declares ngx_http_lua_ffi_encode_base64
+local base64 = require "resty.loom.publish.base64"
 
-local C = ffi.C
 local ngx_now = ngx.now
 local ngx_update_time = ngx.update_time
 local ngx_sleep = ngx.sleep
@@ -35,7 +33,7 @@ local decode_base64 = ngx.decode_base64
 local json_decode = cjson.decode
 local json_encode = cjson.encode
 local buf_new = buffer.new
-local encode_b64 = C.ngx_http_lua_ffi_encode_base64
+local b64_into = base64.encode_into
 local byte = string.byte
 local sub = string.sub
 local floor = math.floor
@@ -322,7 +320,7 @@ function _M.send(self, data, attributes, ordering_key)
         s:put('"data":"')
         local n = floor((dlen + 2) / 3) * 4
         local p = s:reserve(n)
-        s:commit(encode_b64(data, dlen, p, 0))
+        s:commit(b64_into(p, data, dlen))
         s:put('"')
         comma = ","
     end
@@ -1096,7 +1094,7 @@ function _M.new(opts)
                       .. opts.user_project .. "\r\n") or ""),
         batch_max_messages = num(opts, "batch_max_messages", MAX_MESSAGES, 1,
                                  MAX_MESSAGES),
-        batch_max_bytes = num(opts, "batch_max_bytes", 5000000, 1,
+        batch_max_bytes = num(opts, "batch_max_bytes", 1000000, 1,
                               MAX_REQUEST_BYTES - ENVELOPE),
         batch_max_delay = num(opts, "batch_max_delay", 0.05, 0),
         buffer_max_messages = num(opts, "buffer_max_messages", 100000, 1),

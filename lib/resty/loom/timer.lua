@@ -147,7 +147,7 @@ local function engine()
             max_names = cfg.max_names,
             max_run_time = cfg.max_run_time or nil,
             precise_sites = cfg.precise_sites,
-            site_level = 5,         -- core.at() is called by _M.at()
+            site_level = 4,         -- core.at() is called by _M.at()
         })
         if cfg.fresh_ctx then
             eng.pre_run = fresh_ctx
@@ -322,6 +322,10 @@ runner_main = function(premature, rid)
             e.sleep_until = huge
         else
             timeout = ceil((w - clock()) / 1000) / 1000
+            if timeout > IDLE_SLEEP then
+                -- far cascades: the semaphore takes an int of milliseconds
+                timeout = IDLE_SLEEP
+            end
             e.sleep_until = w
         end
         if timeout > 0 then
@@ -408,7 +412,18 @@ local e_at = core.at
 local e_every = core.every
 
 
+-- timers made in init_by_lua would be copied into every worker by fork
+local function check_phase()
+    if ngx.get_phase() == "init" then
+        error("API disabled in the context of init_by_lua*", 3)
+    end
+end
+
+
 function _M.at(delay, callback, ...)
+    if not active and not starting then
+        check_phase()
+    end
     local e = eng or engine()
     local h, err = e_at(e, delay, callback, ...)
     if h and not active then
@@ -419,6 +434,9 @@ end
 
 
 function _M.every(interval, callback, ...)
+    if not active and not starting then
+        check_phase()
+    end
     local e = eng or engine()
     local h, err = e_every(e, interval, callback, ...)
     if h and not active then

@@ -23,7 +23,6 @@ local ngx_log = ngx.log
 local ngx_WARN = ngx.WARN
 local ngx_ERR = ngx.ERR
 local ngx_now = ngx.now
-local ngx_update_time = ngx.update_time
 local ngx_timer_at = ngx.timer.at
 local ngx_timer_every = ngx.timer.every
 local ngx_worker_exiting = ngx.worker.exiting
@@ -125,6 +124,7 @@ const loom_wd_sample_t *ngx_loom_ffi_watchdog_samples(int *n,
     const char **text);
 void ngx_loom_ffi_watchdog_samples_reset(void);
 double ngx_loom_ffi_watchdog_busy_ms(void);
+double ngx_loom_ffi_watchdog_wall(void);
 ]]
 
 
@@ -405,8 +405,8 @@ local function build_report(c, samples, threshold)
     }
 
     -- how long after the stall ended this report was made
-    ngx_update_time()
-    report.reported_after_ms = round((ngx_now() - c.start) * 1000 - dur, 1)
+    local now = C.ngx_loom_ffi_watchdog_wall()
+    report.reported_after_ms = round((now - c.start) * 1000 - dur, 2)
 
     if c.timer ~= 0 then
         local site = c.site[0] ~= 0 and ffi_string(c.site) or ""

@@ -1,6 +1,6 @@
 -- Credentials for resty.loom.publish: Google service-account keys (OAuth
 -- JWT-bearer exchange or self-signed JWT), the GCE metadata server, a static
--- token, or none (emulator). Tokens are cached with their expiry in a shared
+-- token, or none (emulator). Tokens are cached until they expire in a shared
 -- dict when one is given, refreshed well before they expire by one worker at
 -- a time (a shm lock), and shared by every topic that uses the same
 -- credentials.
@@ -24,6 +24,7 @@ local type = type
 local concat = table.concat
 local tostring = tostring
 local floor = math.floor
+local ceil = math.ceil
 local io_open = io.open
 local error = error
 local setmetatable = setmetatable
@@ -173,11 +174,11 @@ local function refresh(self)
     end
     if shm then
         -- another worker may have refreshed while we were deciding
-        local cur, expiry = shm:get(key)
-        if cur and expiry - ngx_now() > self.margin then
+        local cur, refresh_at = shm:get(key)
+        if cur and ngx_now() < refresh_at then
             shm:delete(self.lock_key)
             self.token = cur
-            self.expiry = expiry
+            self.refresh_at = refresh_at
             return cur
         end
     end
@@ -191,11 +192,17 @@ local function refresh(self)
         self.failures = self.failures + 1
         return nil, ttl
     end
-    local expiry = ngx_now() + ttl
+    local now = ngx_now()
+    -- refresh when the margin is left; a token living less than twice the
+    -- margin (the metadata server hands out its cached one) is renewed at
+    -- half-life, so that it does not make every call refresh
+    local refresh_at = ceil(now + math.max(ttl - self.margin, ttl / 2))
     self.refreshes = self.refreshes + 1
     if shm then
-        -- the expiry rides in the flags (unix seconds fit 32 bits)
-        local ok, err = shm:set(key, tok, ttl, floor(expiry))
+        -- the entry expires with the token; the refresh time rides in the
+        -- flags (unix seconds fit 32 bits)
+        local ok, err = shm:set(key, tok, math.max(ttl - 1, 0.5),
+                                refresh_at)
         if not ok then
             ngx_log(ngx_ERR, LOG_TAG, "failed to store token: ", err)
         end
@@ -203,23 +210,29 @@ local function refresh(self)
         shm:delete(self.lock_key)
     end
     self.token = tok
-    self.expiry = expiry
+    self.refresh_at = refresh_at
+    self.expiry = now + ttl - 1
     return tok
 end
 
 
+-- token, refresh_at: a token that has not expired, and when to renew it
 local function cached(self)
     local shm = self.shm
     if shm then
-        local tok, expiry = shm:get(self.key)
+        local tok, refresh_at = shm:get(self.key)
         if tok then
             self.token = tok
-            self.expiry = expiry
-            return tok, expiry
+            self.refresh_at = refresh_at
+            return tok, refresh_at
         end
         return nil
     end
-    return self.token, self.expiry
+    local tok = self.token
+    if tok and ngx_now() < self.expiry then
+        return tok, self.refresh_at
+    end
+    return nil
 end
 
 
@@ -236,16 +249,16 @@ function _M.get(self, timeout)
     local deadline = ngx_now() + (timeout or 10)
     local step = WAIT_STEP
     while true do
-        local tok, expiry = cached(self)
+        local tok, refresh_at = cached(self)
         local now = ngx_now()
-        if tok and expiry - now > self.margin then
+        if tok and now < refresh_at then
             return tok
         end
         local fresh, err = refresh(self)
         if fresh then
             return fresh
         end
-        if tok and expiry - now > 1 then
+        if tok then
             -- someone else is refreshing, or it failed: the old one is
             -- still good for now
             return tok
@@ -278,6 +291,7 @@ function _M.invalidate(self, tok)
     end
     if self.token == tok then
         self.token = nil
+        self.refresh_at = nil
         self.expiry = nil
     end
 end
@@ -296,8 +310,8 @@ local function refresher(premature, self)
     if premature or worker_exiting() then
         return
     end
-    local tok, expiry = cached(self)
-    if not tok or expiry - ngx_now() <= self.margin then
+    local tok, refresh_at = cached(self)
+    if not tok or ngx_now() >= refresh_at then
         local ok, err = refresh(self)
         if not ok and err ~= "busy" then
             ngx_log(ngx_WARN, LOG_TAG, "token refresh: ", err)

@@ -144,7 +144,7 @@ function _M.new(opts)
         random = opts.random or random,
         with_stats = opts.stats ~= false,
         precise_sites = opts.precise_sites and true or false,
-        site_level = opts.site_level or 4,  -- stack level of at()'s caller
+        site_level = opts.site_level or 3,  -- stack level of at()'s caller
         max_rt = max_rt and max_rt * 1e6 or nil,
         max_names = max_names,
         sleep_until = nil,          -- set by the driver while it sleeps
@@ -364,7 +364,8 @@ local function site_for(self, cb)
             return rec
         end
     end
-    -- site_for (1) <- add (2) <- at/every (3) <- caller: self.site_level
+    -- site_for (1) <- add (2, tail-called by at/every) <- caller (3):
+    -- self.site_level; frames of our own modules are skipped
     local level = self.site_level
     local info = getinfo(level, "Sl")
     while info and is_ours(info.source) do
@@ -544,7 +545,11 @@ function _M.at(self, delay, cb, ...)
     if type(cb) ~= "function" then
         error("callback must be a function", 2)
     end
-    return add(self, delay, 0, ONCE, opts, cb, select("#", ...), ...)
+    local n = select("#", ...)
+    if n > 255 then
+        error("too many arguments", 2)
+    end
+    return add(self, delay, 0, ONCE, opts, cb, n, ...)
 end
 
 
@@ -583,8 +588,11 @@ function _M.every(self, interval, cb, ...)
     if type(cb) ~= "function" then
         error("callback must be a function", 2)
     end
-    return add(self, delay or interval, interval, mode, opts, cb,
-               select("#", ...), ...)
+    local n = select("#", ...)
+    if n > 255 then
+        error("too many arguments", 2)
+    end
+    return add(self, delay or interval, interval, mode, opts, cb, n, ...)
 end
 
 
