@@ -184,8 +184,11 @@ def test_out_of_fds_listener_stays_pinned(nginx):
     n = nginx(workers=2, main="worker_rlimit_nofile 64;",
               http=ec.http(), server=ec.SERVER + """
         location /hold { content_by_lua_block { ngx.sleep(1.5) } }
+        location /raw { content_by_lua_block {
+            require("events_raw").handle() } }
     """)
     n.allow_log(r"Too many open files")
+    n.allow_log(r"rejected a connection: bad hello")
     ec.wait_ready(n)
     # use up the workers' descriptors: nginx disables its listeners on
     # EMFILE and re-enables them all from a timer
@@ -206,6 +209,20 @@ def test_out_of_fds_listener_stays_pinned(nginx):
     r = n.get("/ev/pub?target=all&n=25").json()
     assert r["ok"] == 25
     ec.wait_totals(n, {0: 25, 1: 25})
+    # new connections to the bus socket, from both workers, after nginx
+    # re-enabled its listeners: every one lands on the broker
+    before = ec.states(n)[0]["stats"]["broker"]["rejected"].get(
+        "bad hello", 0)
+    for _ in range(40):
+        assert n.get("/raw?kind=probe").text.strip() == "closed"
+    deadline = time.time() + 5
+    while True:
+        st = ec.states(n)
+        got = st[0]["stats"]["broker"]["rejected"].get("bad hello", 0)
+        if got - before == 40 or time.time() > deadline:
+            break
+        time.sleep(0.1)
+    assert got - before == 40
     assert "not the broker" not in n.error_log()
 
 

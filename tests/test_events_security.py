@@ -13,7 +13,7 @@ RAW = ec.SERVER + """
 """
 
 KINDS = ["garbage", "version", "not_hello", "hello_garbage", "lying_pid",
-         "bad_worker", "generation", "oversize", "bad_type"]
+         "bad_worker", "generation", "oversize", "bad_type", "bad_lengths"]
 
 
 def test_socket_mode_and_directory(nginx):
@@ -84,6 +84,7 @@ def test_bad_frames_closed_and_counted(nginx):
     n = nginx(workers=2, http=ec.http(), server=RAW)
     n.allow_log(r"rejected a connection|closed worker \d's connection")
     ec.wait_ready(n)
+    broker_pid = ec.states(n)[0]["pid"]
     for kind in KINDS:
         r = n.get("/raw?kind=" + kind)
         assert r.text.strip() == "closed", (kind, r.text)
@@ -94,10 +95,13 @@ def test_bad_frames_closed_and_counted(nginx):
     assert rejected.get("hello pid differs from peer") == 1
     assert rejected.get("bad worker id") == 1
     assert rejected.get("other generation") == 1
-    assert rejected.get("protocol error") == 2  # oversize, bad type
+    # oversize, bad type, bad lengths (which once crashed the broker)
+    assert rejected.get("protocol error") == 3
     # everyone else is still served, nothing lost
     r = n.get("/ev/pub?target=all&n=50").json()
     assert r["ok"] == 50
     st = ec.wait_totals(n, {0: 50, 1: 50})
     for s in st.values():
         assert s["order_errors"] == 0
+    assert st[0]["pid"] == broker_pid
+    assert "exited on signal" not in n.error_log()

@@ -42,7 +42,7 @@ def tls_http(pki, ca=None):
 def conf(fake, **cred):
     c = {"endpoint": fake.url, "batch_max_delay": 0.05,
          "retry_initial_backoff": 0.05, "retry_max_backoff": 0.2,
-         "timeout": 2,
+         "timeout": 5,
          "credentials": dict({"key_file": fake.sa_path,
                               "shm": "loom_publish"}, **cred)}
     return c

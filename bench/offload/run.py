@@ -191,6 +191,10 @@ def main():
     ap.add_argument("--variants", action="store_true",
                     help="also run the C runtime with spin_us=0 poll_us=0 "
                          "(c_nospin) and with poll_us=0 (c_nopoll)")
+    ap.add_argument("--skip-concurrent", action="store_true",
+                    help="sequential test only; its figures replace the "
+                         "sequential ones in the results file, the rest is "
+                         "kept")
     ap.add_argument("--no-write", action="store_true",
                     help="print results, do not write the results file")
     args = ap.parse_args()
@@ -272,7 +276,7 @@ def main():
 
         conc_mechs = mechs + ["none"]
         conc = {(m, s): [] for m in conc_mechs for s in SIZES}
-        for p in range(args.passes):
+        for p in range(0 if args.skip_concurrent else args.passes):
             order = conc_mechs if p % 2 == 0 else conc_mechs[::-1]
             for s in SIZES:
                 for m in order:
@@ -304,6 +308,8 @@ def main():
             "runs": [r["us_per_call"] for r in rs],
         }
     for (m, s), rs in conc.items():
+        if not rs:
+            continue
         results["concurrent"].setdefault(m, {})[s] = {
             "rps": med([r["rps"] for r in rs]),
             "p50_ms": med([r["p50_ms"] for r in rs]),
@@ -331,6 +337,13 @@ def main():
         "sequential": results["sequential"],
         "concurrent": results["concurrent"],
     }
+    if args.skip_concurrent and os.path.exists(RESULTS):
+        with open(RESULTS) as f:
+            prev = json.load(f)
+        prev["sequential"] = out["sequential"]
+        prev["sequential_run"] = {k: out[k] for k in ("date", "machine",
+                                                        "setup")}
+        out = prev
     if not args.no_write:
         os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
         with open(RESULTS, "w") as f:

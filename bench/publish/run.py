@@ -142,8 +142,12 @@ def wrk(url):
 
     def lat(p):
         m = re.search(r"^\s+%s%%\s+([\d.]+)(us|ms|s)\s*$" % p, out, re.M)
+        if not m:
+            return None
         v, unit = float(m.group(1)), m.group(2)
-        return v / 1000 if unit == "us" else v * 1000 if unit == "s" else v
+        v = v / 1000 if unit == "us" else v * 1000 if unit == "s" else v
+        # wrk prints 0 when it could not measure (all timed out)
+        return v or None
     non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
     total = re.search(r"(\d+) requests in", out)
     return {"rps": rps, "p50_ms": lat(50), "p99_ms": lat(99),
@@ -243,7 +247,8 @@ def main():
     fake = FakePubSub(fast=True)
     emu = None
     instances = {}
-    notes = []
+    notes = ["load average (1, 5, 15 min) at start: %.2f %.2f %.2f"
+             % os.getloadavg()]
     try:
         instances["fake"] = start_nginx(fake.host)
         if any(s.endswith("-emu") for s in SCENARIOS):
@@ -277,6 +282,16 @@ def main():
             except RuntimeError:
                 pass
 
+    notes.append("load average (1, 5, 15 min) at end: %.2f %.2f %.2f"
+                 % os.getloadavg())
+    write(runs, notes)
+
+
+def summarise(runs):
+    for r in runs:
+        for k in ("p50_ms", "p99_ms"):
+            if not r.get(k):
+                r[k] = None
     keys = ["rps", "p50_ms", "p99_ms", "acked_per_s", "worker_cpu_pct",
             "http_requests_per_message", "lost", "non2xx"]
     medians = {}
@@ -296,10 +311,17 @@ def main():
     if base:
         for s, m in medians.items():
             m["rps_vs_none"] = m["rps"] / base
-            m["p99_minus_none_ms"] = m["p99_ms"] - medians["none"]["p99_ms"]
+            if m.get("p99_ms") is not None:
+                m["p99_minus_none_ms"] = \
+                    m["p99_ms"] - medians["none"]["p99_ms"]
+    return medians
+
+
+def write(runs, notes, date=None):
+    medians = summarise(runs)
     out = {
         "benchmark": "bench-publish",
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "date": date or time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "note": "measured on a shared 2-core machine with other developers' "
                 "load present; wrk, nginx (2 workers) and the sink share the "
                 "cores, so figures are noisy and conservative",
@@ -321,4 +343,12 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--summarise"]:
+        # recompute the medians of bench/results/publish.json
+        with open(os.path.join(ROOT, "bench", "results",
+                               "publish.json")) as f:
+            old = json.load(f)
+        notes = old["notes"] + sys.argv[2:]
+        write(old["runs"], notes, old["date"])
+    else:
+        main()

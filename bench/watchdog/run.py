@@ -9,6 +9,9 @@ does not. wrk -t1 -c64 -d<D>s --latency runs against them alternately
 report timings are read back: stall start -> noticed by the watchdog, stall
 end -> report built and logged.
 
+It also runs bench/watchdog/profile_mode.lua (plain LuaJIT): the cost of
+LuaJIT's profiler line mode for compiled code.
+
 Environment: BENCH_ROUNDS (3), BENCH_DURATION (10, seconds),
 BENCH_STALLS (6). Results: bench/results/watchdog.json.
 """
@@ -124,6 +127,15 @@ def main():
     ratio = med["on"]["rps"] / med["off"]["rps"]
     cpu_ratio = (med["on"]["worker_cpu_us_per_request"]
                  / med["off"]["worker_cpu_us_per_request"])
+    # stalls of /hello itself (the machine starving the worker, or worse):
+    # keep their evidence
+    other = [{k: r.get(k) for k in (
+        "duration_ms", "kind", "on_cpu_ms", "off_cpu_ms", "runqueue_ms",
+        "syscall", "wchan", "backtrace", "request", "vmstate")}
+        for r in reports if r.get("request", {}).get("uri") not in (
+            "/cpu", "/usleep", "/exec")]
+    reports = [r for r in reports if r.get("request", {}).get("uri") in (
+        "/cpu", "/usleep", "/exec")]
     detect = [r["detect_ms"] for r in reports]
     after = [r["reported_after_ms"] for r in reports]
     out = {
@@ -153,7 +165,22 @@ def main():
             "kinds": [[r["request"]["uri"], r["kind"], r.get("syscall"),
                        r["duration_ms"]] for r in reports],
         },
+        "stalls_during_throughput_rounds": other,
     }
+    # compiled-code cost of the profiler's line mode, in plain LuaJIT
+    try:
+        pm = subprocess.run(
+            ["luajit", os.path.join(ROOT, "bench", "watchdog",
+                                    "profile_mode.lua"), "9"],
+            capture_output=True, text=True, check=True, cwd=ROOT)
+        out["profile_line_mode"] = json.loads(pm.stdout.strip())
+        out["profile_line_mode"]["what"] = (
+            "CPU seconds of a Lua workload (string keys, tables, concat) "
+            "without / with jit.profile line mode and a timer that never "
+            "fires, 9 alternated rounds, medians")
+    except (OSError, subprocess.CalledProcessError, ValueError) as e:
+        out["profile_line_mode"] = {"error": str(e)}
+
     os.makedirs(os.path.join(ROOT, "bench", "results"), exist_ok=True)
     path = os.path.join(ROOT, "bench", "results", "watchdog.json")
     with open(path, "w") as f:

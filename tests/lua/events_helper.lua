@@ -92,7 +92,14 @@ function _M.handle()
             -- one event first, delivered before the rest is published
             assert(bus:publish(target, source, a.event or "e",
                                { n = start - 1 }))
-            ngx.sleep(0.3)
+            -- until the broker has acknowledged it
+            for _ = 1, 500 do
+                local q = bus:stats().queue
+                if q.unsent == 0 and q.unacked == 0 then
+                    break
+                end
+                ngx.sleep(0.01)
+            end
         end
         for i = start, start + n - 1 do
             local data = { n = i, blob = pad }

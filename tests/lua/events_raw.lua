@@ -48,6 +48,19 @@ local KINDS = {
         return hello() .. header(1, frame.EVENT, 0x7fffffff)
     end,
     bad_type = function() return hello() .. header(1, 200, 0) end,
+    -- an event whose unique key length points far past the frame
+    bad_lengths = function()
+        local out = buffer.new()
+        frame.put_header(out, frame.EVENT, 0, frame.EVENT_SIZE, 2)
+        local e = ffi.cast("loom_ev_event_t *", out:reserve(frame.EVENT_SIZE))
+        ffi.fill(e, frame.EVENT_SIZE)
+        e.target = frame.UNIQUE
+        e.key_len = 0x01000000
+        out:commit(frame.EVENT_SIZE)
+        return hello() .. out:get()
+    end,
+    -- what a client does: the upgrade, then nothing (counted, harmless)
+    probe = function() return "" end,
 }
 
 
@@ -64,7 +77,14 @@ function _M.handle()
         return
     end
     repeat line = sock:receive("*l") until line == "" or not line
-    assert(sock:send(KINDS[kind]()))
+    local bytes = KINDS[kind]()
+    if bytes == "" then
+        -- a probe: the broker answered the upgrade; hang up
+        sock:close()
+        ngx.say("closed")
+        return
+    end
+    assert(sock:send(bytes))
     -- the broker must close the connection (after a reject frame or not)
     while true do
         local data, err = sock:receiveany(65536)

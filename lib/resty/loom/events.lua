@@ -20,7 +20,7 @@ local ngx_sleep = ngx.sleep
 local get_phase = ngx.get_phase
 local timer_at = ngx.timer.at
 local spawn = ngx.thread.spawn
-local wait = ngx.thread.wait
+local kill = ngx.thread.kill
 local worker_exiting = ngx.worker.exiting
 local buf_new = buffer.new
 local type = type
@@ -60,9 +60,11 @@ local LOCAL = -100                  -- "current": never leaves the worker
 
 local INTERNAL = "loom.bus"         -- source of the bus's own events
 local READ_SIZE = 65536
+local CONNECT_TIMEOUT = 2
+local SEND_TIMEOUT = 30
 local LOG_INTERVAL = 10
 local MAX_PAYLOAD_LIMIT = 64 * 1024 * 1024
-local UNIQUE_KEY_MAX = 1024
+local UNIQUE_KEY_MAX = frame.KEY_MAX
 local WAIT_PHASES = {
     rewrite = true, access = true, content = true, timer = true,
     ssl_cert = true, ssl_session_fetch = true,
@@ -78,7 +80,7 @@ local DEFAULTS = {
     privileged_agent = false,
     unique_window = 5,
     heartbeat = 1,
-    slow_timeout = 5,
+    slow_timeout = false,       -- 2 * heartbeat
     exit_timeout = 3,
 }
 
@@ -93,12 +95,27 @@ int ngx_loom_ffi_pin_listener(const unsigned char *path, size_t len,
     int owner, int *matched, char **err);
 int ngx_loom_ffi_prepare_socket(const unsigned char *path, size_t len,
     char **err);
+long getrandom(void *buf, size_t len, unsigned int flags);
 ]]
 
 local CLOCK_MONOTONIC = 1
 local ts = ffi.new("loom_timespec_t")
 local errmsg = ffi.new("char *[1]")
 local matched = ffi.new("int[1]")
+
+-- a random non-zero number naming this process as a publisher: pids are
+-- reused, so subscribers key their bookkeeping by this instead
+local function incarnation()
+    local v = ffi.new("uint32_t[1]")
+    while v[0] == 0 do
+        if C.getrandom(v, 4, 0) ~= 4 then
+            v[0] = (ngx.worker.pid() * 2654435761 + ngx_now() * 1000)
+                   % 4294967296
+        end
+    end
+    return tonumber(v[0])
+end
+
 
 local function mono()
     C.clock_gettime(CLOCK_MONOTONIC, ts)
@@ -166,6 +183,9 @@ local function check_opts(opts)
         end
     end
 
+    if not o.slow_timeout then
+        o.slow_timeout = 2 * (tonumber(o.heartbeat) or 1)
+    end
     int("broker", 0)
     int("max_queue", 1)
     int("max_queue_bytes", 1024)
@@ -180,6 +200,10 @@ local function check_opts(opts)
     end
     if type(o.privileged_agent) ~= "boolean" then
         error("opts.privileged_agent must be a boolean", 3)
+    end
+    if o.slow_timeout >= 3 * o.heartbeat then
+        -- a broker waiting that long would miss its peers' heartbeats
+        error("opts.slow_timeout must be less than 3 * opts.heartbeat", 3)
     end
     if o.max_queue_bytes < o.max_payload + 1024 then
         error("opts.max_queue_bytes must be larger than opts.max_payload", 3)
@@ -208,6 +232,7 @@ function _M.new(opts)
         initialized = false,
         worker = nil,
         pid = nil,
+        incarnation = nil,
         worker_count = 0,
         generation = nil,
         broker_state = nil,
@@ -234,13 +259,15 @@ function _M.new(opts)
         isema = semaphore.new(),
         rspace = semaphore.new(),
         rwaiters = 0,
-        last_seq = {},              -- pid -> last seq seen
-        last_all = {},              -- pid -> last "all" stream seq
-        last_others = {},           -- pid -> last "others" stream seq
-        last_direct = {},           -- pid -> last direct stream seq
+        -- per publisher incarnation: last seq seen, last stream seqs
+        last_seq = {},
+        last_all = {},
+        last_others = {},
+        last_direct = {},
 
         -- subscriptions
         subs = {},                  -- id -> { source, event, fn, site }
+        sub_list = {},              -- live subscriptions, in id order
         next_sub = 0,
         gap_hooks = {},
 
@@ -370,9 +397,10 @@ local function dispatch(self, source, event, data, wid, pid)
     end
     self.counters.delivered = self.counters.delivered + 1
     -- registration order, across wildcard and exact subscriptions
-    for id = 1, self.next_sub do
-        local sub = self.subs[id]
-        if sub and (sub.source == "*" or sub.source == source)
+    local list = self.sub_list
+    for i = 1, #list do
+        local sub = list[i]
+        if (sub.source == "*" or sub.source == source)
            and (sub.event == "*" or sub.event == event) then
             run_handler(self, sub, data, event, source, wid, pid)
         end
@@ -420,12 +448,13 @@ end
 -- re-send after a broker restart) and counts gaps
 local function accept_seq(self, e, seq)
     local pid = e.pid
-    local last = self.last_seq[pid]
+    local inc = e.incarnation
+    local last = self.last_seq[inc]
     if last and seq <= last then
         self.counters.duplicates = self.counters.duplicates + 1
         return false
     end
-    self.last_seq[pid] = seq
+    self.last_seq[inc] = seq
 
     local target = e.target
     local stream = e.stream_seq
@@ -433,8 +462,8 @@ local function accept_seq(self, e, seq)
         local book = target == ALL and self.last_all
                      or target == OTHERS and self.last_others
                      or self.last_direct
-        local prev = book[pid]
-        book[pid] = stream
+        local prev = book[inc]
+        book[inc] = stream
         if prev and stream > prev + 1 then
             local missing = stream - prev - 1
             self.counters.gaps = self.counters.gaps + missing
@@ -454,14 +483,11 @@ end
 
 
 local function receive_event(self, seq, p, len)
-    if len < EVENT_SIZE then
-        return nil, "short event"
+    local e, why = frame.check_event(p, len)
+    if not e then
+        return nil, why
     end
-    local e = frame.event_header(p)
     local off = EVENT_SIZE + e.key_len
-    if off + e.body_len ~= len then
-        return nil, "bad event lengths"
-    end
     if not accept_seq(self, e, seq) then
         return true
     end
@@ -495,13 +521,15 @@ local function on_ack(self, seq)
 end
 
 
-local function reader(self, sock)
+local function reader(self, sock, link)
     local rbuf = buf_new(READ_SIZE)
     local partial, partial_seq
     local max_frame = frame.CHUNK
     local max_event = self.opts.max_payload + EVENT_SIZE + UNIQUE_KEY_MAX
-    -- the broker answers our pings: silence this long means it is gone
-    sock:settimeout(self.opts.heartbeat * 3000)
+    -- the broker answers our pings: silence this long means it is gone;
+    -- a send may wait longer while the broker is busy with a slow worker
+    sock:settimeouts(CONNECT_TIMEOUT * 1000, SEND_TIMEOUT * 1000,
+                     self.opts.heartbeat * 3000)
 
     while true do
         -- back-pressure: stop reading while the handlers are behind
@@ -512,6 +540,9 @@ local function reader(self, sock)
         end
 
         local data, err = sock:receiveany(READ_SIZE)
+        if link.error then
+            return nil, link.error
+        end
         if not data then
             return nil, err == "timeout" and "broker heartbeat timeout"
                         or err
@@ -614,7 +645,8 @@ local function writer(self, sock, link)
             self.unacked:put(data)
             local ok, err = sock:send(data)
             if not ok then
-                return nil, "failed to send: " .. err
+                link.error = "failed to send: " .. err
+                return nil, link.error
             end
             last_send = ngx_now()
         elseif ngx_now() - last_send >= hb / 2 then
@@ -622,7 +654,8 @@ local function writer(self, sock, link)
             frame.put_header(out, T_PING, 0, 0, 0)
             local ok, err = sock:send(out:get())
             if not ok then
-                return nil, "failed to send: " .. err
+                link.error = "failed to send: " .. err
+                return nil, link.error
             end
             last_send = ngx_now()
         end
@@ -750,12 +783,15 @@ local function client_loop(premature, self)
             self.ready = true
             backoff = 0.01
             requeue_unacked(self)
-            local link = { closed = false }
+            local link = { closed = false, error = nil }
             local wt = spawn(writer, self, sock, link)
-            local rok, rerr = reader(self, sock)
+            local rok, rerr = reader(self, sock, link)
             link.closed = true
             self.wsema:post(1)
-            local _, wok, werr = wait(wt)
+            -- a writer stuck in a send to a dead broker is stopped here;
+            -- what it was sending is still in unacked and goes again
+            kill(wt)
+            local wok, werr = not link.error, link.error
             self.connected = false
             sock:close()
             if self.stopping then
@@ -836,6 +872,7 @@ function _M.init_worker(self)
     end
     self.worker = wid
     self.pid = ngx.worker.pid()
+    self.incarnation = incarnation()
     self.worker_count = ngx.worker.count()
     self.generation = tonumber(C.ngx_loom_ffi_generation())
 
@@ -1020,7 +1057,8 @@ function _M.publish(self, target, source, event, data)
     end
 
     local bytes = frame.put_event(self.unsent, seq, kind, self.worker,
-                                  self.pid, stream, mono(), key)
+                                  self.pid, self.incarnation, stream, mono(),
+                                  key)
     self.unsent_q:push(seq, bytes)
     self.pending = self.pending + 1
     self.pending_bytes = self.pending_bytes + bytes
@@ -1048,22 +1086,33 @@ function _M.subscribe(self, source, event, handler)
     local info = getinfo(2, "Sl")
     local id = self.next_sub + 1
     self.next_sub = id
-    self.subs[id] = {
+    local sub = {
         source = source,
         event = event,
         fn = handler,
         site = info and (info.short_src .. ":" .. info.currentline) or "?",
     }
+    self.subs[id] = sub
+    self.sub_list[#self.sub_list + 1] = sub
     return id
 end
 
 
 function _M.unsubscribe(self, id)
-    if self.subs[id] then
-        self.subs[id] = nil
-        return true
+    local sub = self.subs[id]
+    if not sub then
+        return false
     end
-    return false
+    self.subs[id] = nil
+    -- a new list, so a dispatch walking the old one is not disturbed
+    local list = {}
+    for _, s in ipairs(self.sub_list) do
+        if s ~= sub then
+            list[#list + 1] = s
+        end
+    end
+    self.sub_list = list
+    return true
 end
 
 

@@ -124,6 +124,9 @@ local DEFAULT_POLL_US = 10
 
 local STATES = { [0] = "starting", "ready", "failed", "closed" }
 
+-- calls answered in a row without yielding before call() yields once
+local FAST_STREAK_MAX = 64
+
 -- contexts where the calling coroutine may yield
 local YIELDABLE = {
     rewrite = true,
@@ -147,6 +150,8 @@ local stats_buf = ffi_new("ngx_loom_offload_stats_t")
 -- runtimes loaded by this worker, by path and configuration
 local loaded = {}
 local loaded_list = {}
+
+local fast_streak = 0
 
 
 local function resolve_path(name)
@@ -315,7 +320,21 @@ function _M.call(self, payload, opts)
 
     local task = ptask[0]
 
-    if loom_poll(task) == 0 then
+    local pause = false
+
+    if loom_poll(task) == 1 then
+        -- answered while the event loop polled: no yield. Yield now and
+        -- then all the same (below), so that a loop of fast calls does
+        -- not keep other requests waiting
+        fast_streak = fast_streak + 1
+        if fast_streak >= FAST_STREAK_MAX then
+            fast_streak = 0
+            pause = true
+        end
+
+    else
+        fast_streak = 0
+
         local err = get_string_buf(ERR_BUF_SIZE)
         local errlen = get_size_ptr()
         errlen[0] = ERR_BUF_SIZE
@@ -357,6 +376,11 @@ function _M.call(self, payload, opts)
         end
 
         loom_release(task)
+
+        if pause then
+            ngx_sleep(0)
+        end
+
         return res
     end
 

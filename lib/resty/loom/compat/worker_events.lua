@@ -97,26 +97,38 @@ local function add(book, callback, source, ...)
     local function adapter(data, event, src, _, pid)
         return callback(data, event, src, pid)
     end
+    local weak_ids
     if weak == book then
-        -- the subscription must not keep the callback alive
+        -- the subscription must not keep the callback alive; once it is
+        -- collected, its subscriptions remove themselves
         local ref = setmetatable({ callback }, { __mode = "v" })
         callback = nil
+        weak_ids = {}
         adapter = function(data, event, src, _, pid)
             local cb = ref[1]
             if cb then
                 return cb(data, event, src, pid)
             end
+            for id in pairs(weak_ids) do
+                bus:unsubscribe(id)
+            end
+        end
+    end
+    local function sub(s, e)
+        local id = bus:subscribe(s, e, adapter)
+        ids[id] = { s, e }
+        if weak_ids then
+            weak_ids[id] = true
         end
     end
     local n = select("#", ...)
     if source == nil then
-        ids[bus:subscribe("*", "*", adapter)] = { "*", "*" }
+        sub("*", "*")
     elseif n == 0 then
-        ids[bus:subscribe(source, "*", adapter)] = { source, "*" }
+        sub(source, "*")
     else
         for i = 1, n do
-            local ev = select(i, ...)
-            ids[bus:subscribe(source, ev, adapter)] = { source, ev }
+            sub(source, (select(i, ...)))
         end
     end
     return true

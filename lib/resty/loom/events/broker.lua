@@ -20,7 +20,6 @@ local ngx_var = ngx.var
 local ngx_now = ngx.now
 local ngx_exit = ngx.exit
 local spawn = ngx.thread.spawn
-local wait = ngx.thread.wait
 local kill = ngx.thread.kill
 local buf_new = buffer.new
 local pcall = pcall
@@ -49,6 +48,7 @@ local AGENT = frame.AGENT
 
 local READ_SIZE = 65536
 local HELLO_TIMEOUT = 2            -- seconds to send a valid hello
+local SEND_TIMEOUT = 60            -- seconds a write to a busy worker may take
 local LOG_INTERVAL = 10            -- seconds between repeated warnings
 
 
@@ -104,6 +104,7 @@ local function queue(b, wid)
             first_bidx = nil,   -- oldest event not yet taken by the writer
             inflight_bidx = nil,-- oldest event in the send under way
             conn = nil,         -- the connection currently attached
+            overflowing = false,-- dropping until the writer catches up
             data_sema = semaphore.new(),
             space_sema = semaphore.new(),
         }
@@ -164,7 +165,7 @@ local function send_acks(b)
                 last = seq
             end
             if last then
-                frame.put_header(q.buf, T_ACK, 0, 0, last)
+                frame.put_header(c.ctl, T_ACK, 0, 0, last)
                 q.data_sema:post(1)
             end
         end
@@ -172,29 +173,65 @@ local function send_acks(b)
 end
 
 
+-- Puts a batch whose send failed back in front of the queue, for the next
+-- connection of that worker id (a reconnecting process drops what it had
+-- already seen by sequence number).
+local function restore(q, c)
+    local data = c.inflight
+    if not data then
+        return
+    end
+    c.inflight = nil
+    local rest = q.buf:get()
+    q.buf:put(data)
+    q.buf:put(rest)
+    q.n = q.n + c.inflight_n
+    local bidx = c.inflight_bidx
+    if bidx and (not q.first_bidx or bidx < q.first_bidx) then
+        q.first_bidx = bidx
+    end
+    q.inflight_bidx = nil
+end
+
+
 local function writer(b, q, c)
     local sock = c.sock
     local sema = q.data_sema
+    local ctl = c.ctl
     while not c.closed do
-        if #q.buf == 0 then
+        if #q.buf == 0 and #ctl == 0 then
             sema:wait(1)
         end
         if c.closed then
             break
         end
-        if #q.buf > 0 then
-            q.inflight_bidx = q.first_bidx
-            q.first_bidx = nil
-            local sent_events = q.n
-            q.n = 0
-            local data = q.buf:get()
-            local ok, err = sock:send(data)
-            q.inflight_bidx = nil
+        if #ctl > 0 then
+            local ok, err = sock:send(ctl:get())
             if not ok then
                 c.closed = true
-                return nil, "failed to send: " .. err
+                c.error = "failed to send: " .. err
+                return
             end
-            if sent_events > 0 then
+        end
+        if #q.buf > 0 then
+            local bidx = q.first_bidx
+            q.inflight_bidx = bidx
+            q.first_bidx = nil
+            local events = q.n
+            q.n = 0
+            local data = q.buf:get()
+            c.inflight, c.inflight_n, c.inflight_bidx = data, events, bidx
+            local ok, err = sock:send(data)
+            if not ok then
+                restore(q, c)
+                c.closed = true
+                c.error = "failed to send: " .. err
+                return
+            end
+            c.inflight = nil
+            q.inflight_bidx = nil
+            if events > 0 then
+                q.overflowing = false
                 local waiting = -q.space_sema:count()
                 if waiting > 0 then
                     q.space_sema:post(waiting)
@@ -203,27 +240,14 @@ local function writer(b, q, c)
             end
         end
     end
-    return true
 end
 
 
--- picks one live normal worker for a unique key, the same one for the same
--- key and set of workers, so a re-sent event lands where it went before
-local function unique_target(b, key, nworkers)
-    local live = 0
-    local ids = b.unique_ids or {}
-    b.unique_ids = ids
-    for wid = 0, nworkers - 1 do
-        local q = b.queues[wid]
-        if q and q.conn then
-            live = live + 1
-            ids[live] = wid
-        end
-    end
-    if live == 0 then
-        return crc32(key) % nworkers
-    end
-    return ids[crc32(key) % live + 1]
+-- the worker for a unique key: the same for the same key whoever is
+-- connected, so an event re-sent after a broker restart lands where it
+-- went before (queues outlive connections)
+local function unique_target(key, nworkers)
+    return crc32(key) % nworkers
 end
 
 
@@ -253,36 +277,40 @@ local function seen_unique(b, key, window)
 end
 
 
--- Appends one event (payload p, len) to q, waiting for room when q is full
--- and its worker is connected. Returns false when it had to drop it.
+-- Appends one event (payload p, len) to q, waiting (up to slow_timeout)
+-- for room when q is full and its worker is connected. Returns false when
+-- it had to drop it (counted, logged at most once per interval).
 local function enqueue(bus, b, q, seq, bidx, p, len)
     local opts = bus.opts
-    if q.n >= opts.max_queue or #q.buf + len > opts.max_queue_bytes then
-        if q.conn then
-            b.stats.slow_waits = b.stats.slow_waits + 1
-            local deadline = ngx_now() + opts.slow_timeout
-            while q.conn and (q.n >= opts.max_queue
-                  or #q.buf + len > opts.max_queue_bytes)
-                  and ngx_now() < deadline do
-                q.space_sema:wait(0.1)
-            end
+    local max_n, max_bytes = opts.max_queue, opts.max_queue_bytes
+    if (q.n >= max_n or #q.buf + len > max_bytes)
+       and q.conn and not q.overflowing then
+        b.stats.slow_waits = b.stats.slow_waits + 1
+        local deadline = ngx_now() + opts.slow_timeout
+        while q.conn and (q.n >= max_n or #q.buf + len > max_bytes)
+              and ngx_now() < deadline do
+            q.space_sema:wait(0.1)
         end
-        if q.n >= opts.max_queue or #q.buf + len > opts.max_queue_bytes then
-            local reason = q.conn and "subscriber too slow"
-                           or "worker down, queue full"
-            count(b.stats.dropped, reason)
-            local now = ngx_now()
-            if now - b.last_warn >= LOG_INTERVAL then
-                b.last_warn = now
-                log(WARN, "dropping events for worker ", q.wid, ": ", reason,
-                    " (", b.stats.dropped[reason], " so far)")
-            end
-            return false
+    end
+    if q.n >= max_n or #q.buf + len > max_bytes then
+        -- no more waiting for this worker until its writer catches up
+        q.overflowing = true
+        local reason = q.conn and "subscriber too slow"
+                       or "worker down, queue full"
+        count(b.stats.dropped, reason)
+        local now = ngx_now()
+        if now - b.last_warn >= LOG_INTERVAL then
+            b.last_warn = now
+            log(WARN, "dropping events for worker ", q.wid, ": ", reason,
+                " (", b.stats.dropped[reason], " so far)")
         end
+        return false
     end
     frame.put_chunked(q.buf, T_EVENT, seq, p, len)
     q.n = q.n + 1
-    if not q.first_bidx then
+    -- the oldest unwritten event: another publisher's earlier event may be
+    -- enqueued after a later one when an enqueue waited
+    if not q.first_bidx or bidx < q.first_bidx then
         q.first_bidx = bidx
     end
     q.data_sema:post(1)
@@ -291,15 +319,15 @@ end
 
 
 local function forward(bus, b, c, seq, p, len)
-    local e = frame.event_header(p)
+    local e, why = frame.check_event(p, len)
+    if not e then
+        return nil, why
+    end
     local target = e.target
     local nworkers = bus.worker_count
     local bidx = b.next_bidx
     b.next_bidx = bidx + 1
     b.stats.forwarded = b.stats.forwarded + 1
-
-    -- the ack waits for the writes that happen below
-    c.ackq:push(bidx, seq)
 
     if target == ALL or target == OTHERS then
         local skip = target == OTHERS and c.wid or nil
@@ -314,8 +342,11 @@ local function forward(bus, b, c, seq, p, len)
         if seen_unique(b, key, bus.opts.unique_window) then
             b.stats.unique_suppressed = b.stats.unique_suppressed + 1
         else
-            local wid = unique_target(b, key, nworkers)
-            enqueue(bus, b, queue(b, wid), seq, bidx, p, len)
+            local wid = unique_target(key, nworkers)
+            if not enqueue(bus, b, queue(b, wid), seq, bidx, p, len) then
+                -- not delivered: a later publish of the key may be
+                b.unique[key] = nil
+            end
         end
 
     elseif (target >= 0 and target < nworkers)
@@ -325,6 +356,11 @@ local function forward(bus, b, c, seq, p, len)
     else
         count(b.stats.dropped, "bad target")
     end
+
+    -- only now: the enqueues above may have waited, and the ack must not
+    -- overtake an event that is in no queue yet
+    c.ackq:push(bidx, seq)
+    return true
 end
 
 
@@ -337,11 +373,17 @@ local function reader(bus, b, c)
     local partial = nil
     local partial_seq
 
-    -- clients ping twice per heartbeat: silence this long means trouble
-    sock:settimeout(opts.heartbeat * 3000)
+    -- clients ping twice per heartbeat: silence this long means trouble;
+    -- a send may wait much longer for a subscriber that is busy
+    sock:settimeouts(HELLO_TIMEOUT * 1000, SEND_TIMEOUT * 1000,
+                     opts.heartbeat * 3000)
 
     while true do
         local data, err = sock:receiveany(READ_SIZE)
+        if c.closed then
+            -- the writer failed, or another connection took over
+            return nil, c.error or "replaced"
+        end
         if not data then
             return nil, err == "timeout" and "heartbeat timeout" or err
         else
@@ -370,22 +412,28 @@ local function reader(bus, b, c)
                         end
                         if flags == 0 then
                             local fp, flen = partial:ref()
-                            forward(bus, b, c, seq, fp, flen)
+                            local ok, why = forward(bus, b, c, seq, fp, flen)
                             partial = nil
+                            if not ok then
+                                return nil, why
+                            end
                         end
                     elseif flags == FLAG_MORE then
+                        if plen < EVENT_SIZE then
+                            return nil, "short event"
+                        end
                         partial = buf_new(2 * max_frame)
                         partial_seq = seq
                         partial:putcdata(pp, plen)
                     else
-                        if plen < EVENT_SIZE then
-                            return nil, "short event"
+                        local ok, why = forward(bus, b, c, seq, pp, plen)
+                        if not ok then
+                            return nil, why
                         end
-                        forward(bus, b, c, seq, pp, plen)
                     end
 
                 elseif typ == T_PING then
-                    frame.put_header(c.q.buf, T_PONG, 0, 0, h.seq)
+                    frame.put_header(c.ctl, T_PONG, 0, 0, h.seq)
                     c.q.data_sema:post(1)
 
                 elseif typ == T_BYE then
@@ -530,6 +578,7 @@ function _M.serve(bus)
         q = q,
         rbuf = buf_new(READ_SIZE),
         ackq = fifo.new(),
+        ctl = buf_new(256),     -- acks and pongs, sent ahead of events
         closed = false,
     }
     q.conn = c
@@ -549,16 +598,18 @@ function _M.serve(bus)
         local rok, rerr = reader(bus, b, c)
         c.closed = true
         q.data_sema:post(1)
-        wait(wt)
+        -- a writer stuck in a send to a dead peer is stopped here; its
+        -- batch goes back to the queue
+        kill(wt)
+        restore(q, c)
         if not rok and not ngx.worker.exiting() then
-            if rerr == "closed" then
+            if rerr == "closed" or rerr == "replaced" then
                 log(INFO, "worker ", wid, " disconnected")
             else
                 count(b.stats.rejected, "protocol error")
                 log(WARN, "closed worker ", wid, "'s connection: ", rerr)
             end
         end
-        kill(wt)
     end
 
     if q.conn == c then

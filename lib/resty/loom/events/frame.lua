@@ -1,6 +1,7 @@
 -- The bus's wire format. Every frame has a 16-byte header: version, type,
 -- flags, payload length and a sequence number. Events carry a 32-byte event
--- header (target, publisher, pid, stream sequence, publish time, lengths)
+-- header (target, publisher, pid, incarnation, stream sequence, publish
+-- time, lengths)
 -- followed by the unique key and the string.buffer-encoded body. Payloads
 -- larger than one chunk travel as several EVENT frames with the MORE flag.
 -- Frames are built in and parsed from string.buffer memory through FFI so
@@ -32,6 +33,8 @@ typedef struct {
     double    published_at;
     uint32_t  key_len;
     uint32_t  body_len;
+    uint32_t  incarnation;
+    uint32_t  reserved;
 } loom_ev_event_t;
 ]]
 
@@ -44,6 +47,7 @@ local EVENT_SIZE = ffi_sizeof("loom_ev_event_t")
 local VERSION = 1
 local CHUNK = 256 * 1024
 local FLAG_MORE = 1
+local KEY_MAX = 1024       -- longest unique key
 
 local T_HELLO = 1
 local T_WELCOME = 2
@@ -66,6 +70,7 @@ local _M = {
     EVENT_SIZE = EVENT_SIZE,
     CHUNK = CHUNK,
     FLAG_MORE = FLAG_MORE,
+    KEY_MAX = KEY_MAX,
     HELLO = T_HELLO,
     WELCOME = T_WELCOME,
     EVENT = T_EVENT,
@@ -145,7 +150,8 @@ _M.put_chunked = put_chunked
 -- Appends an event (whose body encode_body() just produced) to buf;
 -- returns the number of bytes appended.
 local payload = buf_new(4096)
-function _M.put_event(buf, seq, target, publisher, pid, stream_seq, now, key)
+function _M.put_event(buf, seq, target, publisher, pid, incarnation,
+                      stream_seq, now, key)
     local key_len = key and #key or 0
     local bp, body_len = body:ref()
 
@@ -154,6 +160,8 @@ function _M.put_event(buf, seq, target, publisher, pid, stream_seq, now, key)
     e.target = target
     e.publisher = publisher
     e.pid = pid
+    e.incarnation = incarnation
+    e.reserved = 0
     e.stream_seq = stream_seq
     e.published_at = now
     e.key_len = key_len
@@ -186,6 +194,9 @@ function _M.peek(buf, max_len)
     if h.type == 0 or h.type > T_MAX then
         return false, "bad type"
     end
+    if h.flags > FLAG_MORE then
+        return false, "bad flags"
+    end
     local len = h.len
     if len > max_len then
         return false, "frame too large"
@@ -199,6 +210,24 @@ end
 
 function _M.event_header(p)
     return ffi_cast(EVENT_PTR, p)
+end
+
+
+-- The event header of a complete event payload, or nil and a reason when
+-- its lengths do not add up (never trust a peer's lengths).
+function _M.check_event(p, len)
+    if len < EVENT_SIZE then
+        return nil, "short event"
+    end
+    local e = ffi_cast(EVENT_PTR, p)
+    local key_len = e.key_len
+    if key_len > KEY_MAX then
+        return nil, "unique key too long"
+    end
+    if EVENT_SIZE + key_len + e.body_len ~= len then
+        return nil, "bad event lengths"
+    end
+    return e
 end
 
 
