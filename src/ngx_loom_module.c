@@ -226,7 +226,8 @@ ngx_loom_ffi_prepare_socket(const u_char *path, size_t len, char **err)
         return LOOM_FFI_ERROR;
     }
 
-    if (stat(dir, &st) == -1 || !S_ISDIR(st.st_mode)) {
+    /* lstat: a symbolic link could point anywhere */
+    if (lstat(dir, &st) == -1 || !S_ISDIR(st.st_mode)) {
         *err = "the socket directory is not a directory";
         return LOOM_FFI_ERROR;
     }

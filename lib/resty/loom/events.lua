@@ -611,17 +611,32 @@ end
 
 -- sending ----------------------------------------------------------------
 
+-- a header-only control frame
+local function control(typ)
+    local out = buf_new(FRAME_SIZE)
+    frame.put_header(out, typ, 0, 0, 0)
+    return out:get()
+end
+
+
+-- sends on the connection; a failure is kept on the link for the reader
+local function send(sock, link, data)
+    local ok, err = sock:send(data)
+    if not ok then
+        link.error = "failed to send: " .. err
+    end
+    return ok
+end
+
+
 local function writer(self, sock, link)
     local last_send = ngx_now()
     local hb = self.opts.heartbeat
     while true do
         if #self.unsent == 0 then
             if self.stopping then
-                local out = buf_new(FRAME_SIZE)
-                frame.put_header(out, T_BYE, 0, 0, 0)
-                local ok, err = sock:send(out:get())
-                if not ok then
-                    return nil, "failed to send: " .. err
+                if not send(sock, link, control(T_BYE)) then
+                    return nil, link.error
                 end
                 return true
             end
@@ -633,28 +648,15 @@ local function writer(self, sock, link)
         if #self.unsent > 0 then
             -- everything queued goes in one write; it stays in unacked
             -- until the broker acknowledges it
-            local q, uq = self.unsent_q, self.unacked_q
-            while true do
-                local s, bytes = q:pop()
-                if not s then
-                    break
-                end
-                uq:push(s, bytes)
-            end
+            self.unsent_q:move_to(self.unacked_q)
             local data = self.unsent:get()
             self.unacked:put(data)
-            local ok, err = sock:send(data)
-            if not ok then
-                link.error = "failed to send: " .. err
+            if not send(sock, link, data) then
                 return nil, link.error
             end
             last_send = ngx_now()
         elseif ngx_now() - last_send >= hb / 2 then
-            local out = buf_new(FRAME_SIZE)
-            frame.put_header(out, T_PING, 0, 0, 0)
-            local ok, err = sock:send(out:get())
-            if not ok then
-                link.error = "failed to send: " .. err
+            if not send(sock, link, control(T_PING)) then
                 return nil, link.error
             end
             last_send = ngx_now()
@@ -670,22 +672,9 @@ local function requeue_unacked(self)
         return
     end
     local rest = self.unsent:get()
-    local q = self.unsent_q
     local merged = fifo.new()
-    while true do
-        local s, bytes = self.unacked_q:pop()
-        if not s then
-            break
-        end
-        merged:push(s, bytes)
-    end
-    while true do
-        local s, bytes = q:pop()
-        if not s then
-            break
-        end
-        merged:push(s, bytes)
-    end
+    self.unacked_q:move_to(merged)
+    self.unsent_q:move_to(merged)
     self.unsent_q = merged
     self.unsent:put(self.unacked:get())
     self.unsent:put(rest)

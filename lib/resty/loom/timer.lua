@@ -232,6 +232,11 @@ local function dispatch(r, e)
 end
 
 
+local function kick()
+    sema:post(1)
+end
+
+
 local function on_exit()
     if exiting then
         return
@@ -246,6 +251,14 @@ local function on_exit()
     if active then
         e.sleep_until = nil
         sema:post(1)
+        -- nginx runs the sentinel from its shutdown code, outside the event
+        -- loop: the posted semaphore event would only be handled once
+        -- epoll_wait returns, i.e. at the next timer (possibly the
+        -- shutdown timeout). A 0 ms timer makes the loop turn at once.
+        local ok, err = native_at(0, kick)
+        if not ok then
+            ngx_log(ERR, "[loom.timer] failed to wake the runner: ", err)
+        end
 
     elseif not starting and e:queued() > 0 then
         start_runner()

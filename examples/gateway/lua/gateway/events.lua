@@ -1,7 +1,7 @@
 -- The gateway's use of resty.loom.events: configuration replicated to every
 -- worker, and the bus's statistics.
 
-local cjson = require "cjson.safe"
+local reply = require("gateway.json").reply
 local events = require "resty.loom.events"
 
 local _M = {}
@@ -33,13 +33,6 @@ function _M.init_worker()
                                  version = data.version }
         end
     end)
-end
-
-
-local function reply(status, body)
-    ngx.status = status
-    ngx.header["Content-Type"] = "application/json"
-    ngx.say(cjson.encode(body))
 end
 
 

@@ -4,7 +4,7 @@
 
 
 local ffi = require "ffi"
-local cjson = require "cjson.safe"
+local reply = require("gateway.json").reply
 local watchdog = require "resty.loom.watchdog"
 
 local C = ffi.C
@@ -39,13 +39,6 @@ function _M.init_worker()
     if not ok then
         ngx.log(ngx.ERR, "[gateway] failed to start the watchdog: ", err)
     end
-end
-
-
-local function reply(status, body)
-    ngx.status = status
-    ngx.header["Content-Type"] = "application/json"
-    ngx.say(cjson.encode(body))
 end
 
 

@@ -53,6 +53,18 @@ function _M.pop(self)
 end
 
 
+-- moves every pair, in order, to the end of dst
+function _M.move_to(self, dst)
+    while true do
+        local x, y = self:pop()
+        if not x then
+            return
+        end
+        dst:push(x, y)
+    end
+end
+
+
 function _M.clear(self)
     self.a = {}
     self.b = {}

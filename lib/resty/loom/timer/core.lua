@@ -347,8 +347,11 @@ end
 -- creation ----------------------------------------------------------------
 
 
+-- frames of this library, and of the watchdog's ngx.timer wrapper, are
+-- not the creation site
 local function is_ours(src)
     return str_find(src, "resty/loom/timer", 1, true) ~= nil
+           or str_find(src, "resty/loom/watchdog", 1, true) ~= nil
 end
 
 
