@@ -20,7 +20,10 @@ init_worker_by_lua_block {
     require("gateway.publish").init_worker()
 }
 """ % (GW, GW)
-SERVER = "include %s/conf.d/publish.server.conf;" % GW
+SERVER = """
+include %s/conf.d/publish.server.conf;
+location /page { content_by_lua_block { ngx.say("page") } }
+""" % GW
 
 
 def test_gateway_without_emulator_says_off(nginx):
@@ -63,6 +66,13 @@ def test_gateway_publishes_to_emulator(nginx):
                and m["attributes"]["method"] == "POST"
                and m["attributes"]["path"] == "/loom/publish/send"
                for m in msgs)
+    # every other request publishes one message from the log phase
+    for i in range(10):
+        assert n.get("/page?n=%d" % i).status == 200
+    msgs = emu.pull("loom-gateway", "gw-sub", 10)
+    assert sorted(m["data"] for m in msgs) == \
+        sorted(b"/page?n=%d" % i for i in range(10))
+    assert all(m["attributes"]["method"] == "GET" for m in msgs)
     st = n.get("/loom/publish").json()
     assert st["enabled"] is True
     pub = st["publishers"]["loom-gateway/gateway-requests"]

@@ -70,6 +70,7 @@ CELLS = [("one", "none"), ("one", "B"), ("one", "C"), ("one", "D"),
          ("all", "B"), ("all", "C"), ("all", "D")]
 RAW = [(1, "100"), (1, "10k"), (4, "100"), (4, "10k")]
 
+PAYLOAD_NAMES = {"100": "~100 B", "10k": "~10 KiB"}
 LIB_NAMES = {"loom": "resty.loom.events",
              "worker-events": "lua-resty-worker-events"}
 
@@ -698,8 +699,9 @@ def targets(kong, raw):
     for r in raw:
         res.append({
             "target": "publish-to-handler p99 < 1 ms when not saturated "
-                      "(raw, %d worker(s), %s B payload, at half the "
-                      "saturated rate)" % (r["workers"], r["payload"]),
+                      "(raw, %d worker(s), %s payload, at half the "
+                      "saturated rate)" % (r["workers"],
+                                           PAYLOAD_NAMES[r["payload"]]),
             "p99_ms": r["latency_p99_ms"],
             "met": r["latency_p99_ms"] is not None
             and r["latency_p99_ms"] < 1,
@@ -709,8 +711,9 @@ def targets(kong, raw):
             continue
         res.append({
             "target": "publish-to-handler p99 < 1 ms when not saturated "
-                      "(raw, %d worker(s), %s B payload, at %d events/s)"
-                      % (r["workers"], r["payload"], r["low_rate"]),
+                      "(raw, %d worker(s), %s payload, at %d events/s)"
+                      % (r["workers"], PAYLOAD_NAMES[r["payload"]],
+                         r["low_rate"]),
             "p99_ms": r["low_rate_p99_ms"],
             "met": r["low_rate_p99_ms"] < 1,
         })

@@ -7,6 +7,8 @@ local cjson = require "cjson.safe"
 local http = require "resty.loom.http"
 local publish = require "resty.loom.publish"
 
+local str_sub = string.sub
+
 local PROJECT = "loom-gateway"
 local TOPIC = "gateway-requests"
 
@@ -75,9 +77,11 @@ end
 
 
 -- for log_by_lua: one message per request, never blocking the request
+-- (the publish endpoints publish their own message)
 function _M.log()
-    if p then
-        p:send(ngx.var.request_uri or "", message())
+    local uri = ngx.var.uri
+    if p and str_sub(uri, 1, 13) ~= "/loom/publish" then
+        p:send(ngx.var.request_uri or uri, message())
     end
 end
 
