@@ -30,7 +30,8 @@ local function header(version, typ, len)
     local out = buffer.new()
     frame.put_header(out, typ, 0, len, 1)
     local s = out:get()
-    return string.char(version) .. s:sub(2)
+    -- the version byte follows the 4-byte low half of the sequence
+    return s:sub(1, 4) .. string.char(version) .. s:sub(6)
 end
 
 

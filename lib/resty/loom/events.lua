@@ -13,6 +13,7 @@ local broker = require "resty.loom.events.broker"
 local histogram = require "resty.loom.histogram"
 
 local C = ffi.C
+local frame_seq = frame.seq
 local ngx = ngx
 local ngx_log = ngx.log
 local ngx_now = ngx.now
@@ -523,6 +524,7 @@ end
 
 local function reader(self, sock, link)
     local rbuf = buf_new(READ_SIZE)
+    local jitter = 0
     local partial, partial_seq
     local max_frame = frame.CHUNK
     local max_event = self.opts.max_payload + EVENT_SIZE + UNIQUE_KEY_MAX
@@ -539,7 +541,10 @@ local function reader(self, sock, link)
             self.rwaiters = self.rwaiters - 1
         end
 
-        local data, err = sock:receiveany(READ_SIZE)
+        -- reads of varying size: same-length chunks of similar bytes would
+        -- collide in LuaJIT's string table (see frame.lua)
+        jitter = (jitter + 1) % 251
+        local data, err = sock:receiveany(READ_SIZE - jitter)
         if link.error then
             return nil, link.error
         end
@@ -560,7 +565,7 @@ local function reader(self, sock, link)
                 local ok
                 if typ == T_EVENT then
                     local plen = size - FRAME_SIZE
-                    local seq = h.seq
+                    local seq = frame_seq(h)
                     if partial then
                         if seq ~= partial_seq then
                             return nil, "interleaved chunks"
@@ -589,7 +594,7 @@ local function reader(self, sock, link)
                     end
 
                 elseif typ == T_ACK then
-                    on_ack(self, h.seq)
+                    on_ack(self, frame_seq(h))
 
                 elseif typ == T_PONG then
                     self.last_pong = ngx_now()

@@ -14,6 +14,7 @@ local fifo = require "resty.loom.events.fifo"
 local semaphore = require "ngx.semaphore"
 
 local C = ffi.C
+local frame_seq = frame.seq
 local ngx = ngx
 local ngx_log = ngx.log
 local ngx_var = ngx.var
@@ -378,8 +379,11 @@ local function reader(bus, b, c)
     sock:settimeouts(HELLO_TIMEOUT * 1000, SEND_TIMEOUT * 1000,
                      opts.heartbeat * 3000)
 
+    local jitter = 0
     while true do
-        local data, err = sock:receiveany(READ_SIZE)
+        -- varying sizes: see the client's reader
+        jitter = (jitter + 1) % 251
+        local data, err = sock:receiveany(READ_SIZE - jitter)
         if c.closed then
             -- the writer failed, or another connection took over
             return nil, c.error or "replaced"
@@ -398,7 +402,7 @@ local function reader(bus, b, c)
                 end
                 local typ = h.type
                 if typ == T_EVENT then
-                    local seq = h.seq
+                    local seq = frame_seq(h)
                     local flags = h.flags
                     local plen = size - FRAME_SIZE
                     if partial then
@@ -433,7 +437,7 @@ local function reader(bus, b, c)
                     end
 
                 elseif typ == T_PING then
-                    frame.put_header(c.ctl, T_PONG, 0, 0, h.seq)
+                    frame.put_header(c.ctl, T_PONG, 0, 0, frame_seq(h))
                     c.q.data_sema:post(1)
 
                 elseif typ == T_BYE then

@@ -1,11 +1,14 @@
--- The bus's wire format. Every frame has a 16-byte header: version, type,
--- flags, payload length and a sequence number. Events carry a 32-byte event
--- header (target, publisher, pid, incarnation, stream sequence, publish
--- time, lengths)
+-- The bus's wire format. Every frame has a 16-byte header: a sequence
+-- number (low half first), version, type, flags, payload length. Events
+-- carry a 40-byte event header (target, publisher, pid, incarnation,
+-- stream sequence, publish time, lengths)
 -- followed by the unique key and the string.buffer-encoded body. Payloads
 -- larger than one chunk travel as several EVENT frames with the MORE flag.
 -- Frames are built in and parsed from string.buffer memory through FFI so
--- that payload bytes never become Lua strings on the way.
+-- that payload bytes become Lua strings only as whole batches (cosockets
+-- send and receive strings). LuaJIT hashes long strings by sampling a few
+-- places, the first bytes among them: the sequence number comes first so
+-- that batches of near-identical events do not collide in the string table.
 
 
 local ffi = require "ffi"
@@ -14,15 +17,17 @@ local buffer = require "string.buffer"
 local ffi_cast = ffi.cast
 local ffi_sizeof = ffi.sizeof
 local buf_new = buffer.new
+local floor = math.floor
 
 
 ffi.cdef [[
 typedef struct {
+    uint32_t  seq_lo;
     uint8_t   version;
     uint8_t   type;
     uint16_t  flags;
     uint32_t  len;
-    double    seq;
+    uint32_t  seq_hi;
 } loom_ev_frame_t;
 
 typedef struct {
@@ -89,11 +94,12 @@ local _M = {
 
 local function put_header(buf, typ, flags, len, seq)
     local h = ffi_cast(FRAME_PTR, buf:reserve(FRAME_SIZE))
+    h.seq_lo = seq % 4294967296
     h.version = VERSION
     h.type = typ
     h.flags = flags
     h.len = len
-    h.seq = seq
+    h.seq_hi = floor(seq / 4294967296)
     buf:commit(FRAME_SIZE)
 end
 _M.put_header = put_header
@@ -205,6 +211,11 @@ function _M.peek(buf, max_len)
         return nil
     end
     return h, p + FRAME_SIZE, FRAME_SIZE + len
+end
+
+
+function _M.seq(h)
+    return h.seq_hi * 4294967296 + h.seq_lo
 end
 
 
