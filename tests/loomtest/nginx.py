@@ -1,5 +1,6 @@
 """A real nginx master with our module, in a fresh temporary prefix."""
 
+import atexit
 import http.client
 import json
 import os
@@ -187,6 +188,8 @@ class Nginx:
                 time.sleep(0.02)
         if self.master_pid is None:
             raise RuntimeError("nginx wrote no pid file")
+        # whatever happens to the caller, no nginx outlives this process
+        atexit.register(self._kill_leftovers)
         if wait:
             self.wait_workers(self.workers)
             self.wait_ready()
@@ -262,6 +265,15 @@ class Nginx:
         if not self.wait_gone([self.master_pid], timeout):
             raise RuntimeError("nginx did not quit within %ss" % timeout)
         self.master_pid = None
+
+    def _kill_leftovers(self):
+        if self.master_pid is None or not _alive(self.master_pid):
+            return
+        for p in [self.master_pid] + _children(self.master_pid):
+            try:
+                os.kill(p, signal.SIGKILL)
+            except OSError:
+                pass
 
     def stop(self):
         if self.master_pid is None:
