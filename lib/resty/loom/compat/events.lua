@@ -24,6 +24,15 @@ local function opt(opts, name, kind)
 end
 
 
+-- raises lua-resty-events' error for a missing or empty name, blaming the
+-- caller of the API function
+local function require_name(value, what)
+    if type(value) ~= "string" or value == "" then
+        error(what .. " is required", 3)
+    end
+end
+
+
 -- new(opts): listening ("unix:<path>", required), broker_id,
 -- unique_timeout, max_queue_len, max_payload_len, enable_privileged_agent,
 -- testing
@@ -80,15 +89,9 @@ end
 -- publish(target, source, event, data): target "all", "current", or any
 -- other string naming a unique event (delivered to one worker)
 function _M.publish(self, target, source, event, data)
-    if type(target) ~= "string" or target == "" then
-        error("target is required", 2)
-    end
-    if type(source) ~= "string" or source == "" then
-        error("source is required", 2)
-    end
-    if type(event) ~= "string" or event == "" then
-        error("event is required", 2)
-    end
+    require_name(target, "target")
+    require_name(source, "source")
+    require_name(event, "event")
     if self.testing then
         -- synchronous, in this process, as lua-resty-events' testing mode
         for _, sub in pairs(self.subs) do
@@ -113,12 +116,8 @@ end
 -- subscribe(source, event, callback): callback(data, event, source, wid);
 -- returns an id for unsubscribe()
 function _M.subscribe(self, source, event, callback)
-    if type(source) ~= "string" or source == "" then
-        error("source is required", 2)
-    end
-    if type(event) ~= "string" or event == "" then
-        error("event is required", 2)
-    end
+    require_name(source, "source")
+    require_name(event, "event")
     if type(callback) ~= "function" then
         error("expected function, got " .. type(callback), 2)
     end
