@@ -534,6 +534,30 @@ local function report_failure(self, q, body, n, reason, attempts, status)
 end
 
 
+-- reports every batch still queued on q as failed with reason, and
+-- forgets them; returns how many messages that was
+local function fail_queued(self, q, reason)
+    local n = 0
+    while true do
+        local b = fifo_pop(q.batches)
+        if not b then
+            break
+        end
+        b.dead = true
+        if b.n > 0 then
+            n = n + b.n
+            self.queued_messages = self.queued_messages - b.n
+            self.queued_bytes = self.queued_bytes - b.bytes
+            b.buf:skip(1)
+            report_failure(self, q, '{"messages":['
+                           .. b.buf:tostring() .. ']}', b.n, reason, 0, nil)
+        end
+    end
+    q.open = nil
+    return n
+end
+
+
 -- classifies a response: "ok", "retry", "auth" or "fatal", and a reason
 local function classify_response(res)
     local status = res.status
@@ -686,24 +710,7 @@ local function dispatch(self, b)
             -- ordered delivery: later messages of this key would overtake
             -- the failed ones, so the key stops until p:resume(key)
             q.paused = reason
-            local pending = 0
-            while true do
-                local nb = fifo_pop(q.batches)
-                if not nb then
-                    break
-                end
-                nb.dead = true
-                if nb.n > 0 then
-                    pending = pending + nb.n
-                    self.queued_messages = self.queued_messages - nb.n
-                    self.queued_bytes = self.queued_bytes - nb.bytes
-                    nb.buf:skip(1)
-                    report_failure(self, q, '{"messages":['
-                                   .. nb.buf:tostring() .. ']}', nb.n,
-                                   "ordering key paused", 0, nil)
-                end
-            end
-            q.open = nil
+            fail_queued(self, q, "ordering key paused")
         end
     end
     if q.key ~= "" and not q.paused and q.inflight == 0
@@ -722,23 +729,8 @@ end
 local function abandon(self)
     local lost = 0
     for _, q in pairs(self.queues) do
-        while true do
-            local b = fifo_pop(q.batches)
-            if not b then
-                break
-            end
-            b.dead = true
-            if b.n > 0 then
-                lost = lost + b.n
-                self.queued_messages = self.queued_messages - b.n
-                self.queued_bytes = self.queued_bytes - b.bytes
-                b.buf:skip(1)
-                report_failure(self, q, '{"messages":['
-                               .. b.buf:tostring() .. ']}', b.n,
-                               "worker exiting: flush budget spent", 0, nil)
-            end
-        end
-        q.open = nil
+        lost = lost + fail_queued(self, q,
+                                  "worker exiting: flush budget spent")
     end
     return lost
 end

@@ -602,17 +602,28 @@ end
 -- control -----------------------------------------------------------------
 
 
-function _M.cancel(self, h)
+-- the job behind a handle, unless it is gone or was cancelled while it
+-- runs: id, job, state
+local function live(self, h)
     local id = lookup(self, h)
     if not id then
-        return nil, "not found"
+        return nil
     end
     local j = self.jobs[id]
     local st = j.state
+    if st == RUNNING and band(j.flags, F_CANCEL) ~= 0 then
+        return nil
+    end
+    return id, j, st
+end
+
+
+function _M.cancel(self, h)
+    local id, j, st = live(self, h)
+    if not id then
+        return nil, "not found"
+    end
     if st == RUNNING then
-        if band(j.flags, F_CANCEL) ~= 0 then
-            return nil, "not found"
-        end
         j.flags = bor(j.flags, F_CANCEL)
         release_name(self, id)
     else
@@ -628,16 +639,11 @@ end
 
 
 function _M.pause(self, h)
-    local id = lookup(self, h)
+    local id, j, st = live(self, h)
     if not id then
         return nil, "not found"
     end
-    local j = self.jobs[id]
-    local st = j.state
     if st == RUNNING then
-        if band(j.flags, F_CANCEL) ~= 0 then
-            return nil, "not found"
-        end
         j.flags = bor(j.flags, F_PAUSE)
         return true
     end
@@ -660,16 +666,11 @@ end
 
 
 function _M.resume(self, h)
-    local id = lookup(self, h)
+    local id, j, st = live(self, h)
     if not id then
         return nil, "not found"
     end
-    local j = self.jobs[id]
-    local st = j.state
     if st == RUNNING then
-        if band(j.flags, F_CANCEL) ~= 0 then
-            return nil, "not found"
-        end
         j.flags = band(j.flags, bnot(F_PAUSE))
         return true
     end
