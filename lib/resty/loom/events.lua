@@ -281,7 +281,6 @@ function _M.new(opts)
             gaps = 0,
             duplicates = 0,
             reconnects = 0,
-            connects = 0,
             rejected = 0,
         },
         latency = histogram.new(),
@@ -596,15 +595,14 @@ local function reader(self, sock, link)
                 elseif typ == T_ACK then
                     on_ack(self, frame_seq(h))
 
-                elseif typ == T_PONG then
-                    self.last_pong = ngx_now()
-
                 elseif typ == T_REJECT then
                     local _, reason = pcall(frame.decode_control, pp,
                                             size - FRAME_SIZE)
                     return nil, "rejected by the broker: " .. tostring(reason)
 
-                else
+                elseif typ ~= T_PONG then
+                    -- (a pong needs nothing: arriving resets the read
+                    -- timeout, which is the heartbeat)
                     return nil, "unexpected frame type " .. tostring(typ)
                 end
                 rbuf:skip(size)
@@ -772,7 +770,6 @@ local function client_loop(premature, self)
                 self.counters.reconnects = self.counters.reconnects + 1
             end
             first = false
-            self.counters.connects = self.counters.connects + 1
             self.connected = true
             self.ready = true
             backoff = 0.01

@@ -219,11 +219,6 @@ function _M.seq(h)
 end
 
 
-function _M.event_header(p)
-    return ffi_cast(EVENT_PTR, p)
-end
-
-
 -- The event header of a complete event payload, or nil and a reason when
 -- its lengths do not add up (never trust a peer's lengths).
 function _M.check_event(p, len)
