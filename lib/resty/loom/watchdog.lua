@@ -370,6 +370,10 @@ local function build_report(c, samples, threshold)
             kind = "cpu"
         elseif runq and on_cpu + runq >= off_cpu - runq then
             kind = "cpu"    -- on CPU, or ready to run and starved of one
+        elseif #syscalls == 0 then
+            -- never seen in a system call: the time the thread did not
+            -- get was taken by the hypervisor (steal), not a wait
+            kind = "cpu"
         else
             kind = "blocked"
         end
