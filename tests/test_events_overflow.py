@@ -14,7 +14,7 @@ def start(nginx, opts):
 def test_reject_policy(nginx):
     n = start(nginx, 'max_queue = 100, overflow = "reject"')
     # one request publishes 1000 without yielding: the writer cannot drain
-    r = n.get("/ev/pub?target=all&n=1000").json()
+    r = n.get("/ev/pub?target=all&n=1000&settle=1").json()
     assert r["ok"] == 100
     assert r["errors"] == {"queue full": 900}
     st = ec.wait_totals(n, {0: 100, 1: 100})

@@ -61,6 +61,7 @@ local LOCAL = -100                  -- "current": never leaves the worker
 
 local INTERNAL = "loom.bus"         -- source of the bus's own events
 local READ_SIZE = 65536
+local SLICE = 256                   -- events handled between yields
 local CONNECT_TIMEOUT = 2
 local SEND_TIMEOUT = 30
 local LOG_INTERVAL = 10
@@ -250,6 +251,7 @@ function _M.new(opts)
         pending = 0,                -- events unsent + unacked
         pending_bytes = 0,
         wsema = semaphore.new(),    -- data to send
+        writer_idle = false,        -- the writer waits on wsema
         space = semaphore.new(),    -- room in the queue
         waiters = 0,
 
@@ -258,6 +260,7 @@ function _M.new(opts)
         inbox_head = 1,
         inbox_tail = 0,
         isema = semaphore.new(),
+        handler_idle = false,       -- the handler loop waits on isema
         rspace = semaphore.new(),
         rwaiters = 0,
         -- per publisher incarnation: last seq seen, last stream seqs
@@ -327,7 +330,10 @@ local function inbox_push(self, source, event, data, wid, latency, pid)
     box[i + 4] = wid
     box[i + 5] = latency
     box[i + 6] = pid
-    self.isema:post(1)
+    if self.handler_idle then
+        self.handler_idle = false
+        self.isema:post(1)
+    end
 end
 
 
@@ -431,12 +437,23 @@ local function handler_loop(premature, self)
     if premature then
         return
     end
+    local run = 0
     while true do
-        if not dispatch_next(self) then
+        if dispatch_next(self) then
+            run = run + 1
+            if run >= SLICE then
+                -- let requests in between long runs of handlers
+                run = 0
+                ngx_sleep(0)
+            end
+        else
             if worker_exiting() and not self.connected then
                 return
             end
+            run = 0
+            self.handler_idle = true
             self.isema:wait(1)
+            self.handler_idle = false
         end
     end
 end
@@ -607,6 +624,10 @@ local function reader(self, sock, link)
                 end
                 rbuf:skip(size)
             end
+            if #data > READ_SIZE / 2 then
+                -- more is probably waiting: let requests in first
+                ngx_sleep(0)
+            end
         end
     end
 end
@@ -643,7 +664,9 @@ local function writer(self, sock, link)
                 end
                 return true
             end
+            self.writer_idle = true
             self.wsema:wait(hb / 2)
+            self.writer_idle = false
         end
         if link.closed then
             return true
@@ -1053,7 +1076,10 @@ function _M.publish(self, target, source, event, data)
     self.unsent_q:push(seq, bytes)
     self.pending = self.pending + 1
     self.pending_bytes = self.pending_bytes + bytes
-    self.wsema:post(1)
+    if self.writer_idle then
+        self.writer_idle = false
+        self.wsema:post(1)
+    end
 
     count(stats, kind == ALL and "all" or kind == OTHERS and "others"
                  or kind == UNIQUE and "unique" or kind == AGENT and "agent"

@@ -20,6 +20,7 @@ local ngx_log = ngx.log
 local ngx_var = ngx.var
 local ngx_now = ngx.now
 local ngx_exit = ngx.exit
+local ngx_sleep = ngx.sleep
 local spawn = ngx.thread.spawn
 local kill = ngx.thread.kill
 local buf_new = buffer.new
@@ -115,6 +116,16 @@ local function queue(b, wid)
 end
 
 
+-- wakes q's writer when it waits for work (a post per event would pile
+-- up counts the writer then spins through)
+local function wake_writer(q)
+    if q.writer_idle then
+        q.writer_idle = false
+        q.data_sema:post(1)
+    end
+end
+
+
 local function count(t, key)
     t[key] = (t[key] or 0) + 1
 end
@@ -167,7 +178,7 @@ local function send_acks(b)
             end
             if last then
                 frame.put_header(c.ctl, T_ACK, 0, 0, last)
-                q.data_sema:post(1)
+                wake_writer(q)
             end
         end
     end
@@ -201,7 +212,9 @@ local function writer(b, q, c)
     local ctl = c.ctl
     while not c.closed do
         if #q.buf == 0 and #ctl == 0 then
+            q.writer_idle = true
             sema:wait(1)
+            q.writer_idle = false
         end
         if c.closed then
             break
@@ -314,7 +327,7 @@ local function enqueue(bus, b, q, seq, bidx, p, len)
     if not q.first_bidx or bidx < q.first_bidx then
         q.first_bidx = bidx
     end
-    q.data_sema:post(1)
+    wake_writer(q)
     return true
 end
 
@@ -438,7 +451,7 @@ local function reader(bus, b, c)
 
                 elseif typ == T_PING then
                     frame.put_header(c.ctl, T_PONG, 0, 0, frame_seq(h))
-                    c.q.data_sema:post(1)
+                    wake_writer(c.q)
 
                 elseif typ == T_BYE then
                     -- the worker is leaving and has sent all it had; it
@@ -454,6 +467,10 @@ local function reader(bus, b, c)
             end
             -- once per read, not per event: acks for what is written
             send_acks(b)
+            if #data > READ_SIZE / 2 then
+                -- more is probably waiting: let requests in first
+                ngx_sleep(0)
+            end
         end
     end
 end

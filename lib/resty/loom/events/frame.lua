@@ -156,13 +156,9 @@ _M.put_chunked = put_chunked
 -- Appends an event (whose body encode_body() just produced) to buf;
 -- returns the number of bytes appended.
 local payload = buf_new(4096)
-function _M.put_event(buf, seq, target, publisher, pid, incarnation,
-                      stream_seq, now, key)
-    local key_len = key and #key or 0
-    local bp, body_len = body:ref()
 
-    payload:reset()
-    local e = ffi_cast(EVENT_PTR, payload:reserve(EVENT_SIZE))
+local function fill_event(e, target, publisher, pid, incarnation, stream_seq,
+                          now, key_len, body_len)
     e.target = target
     e.publisher = publisher
     e.pid = pid
@@ -172,6 +168,32 @@ function _M.put_event(buf, seq, target, publisher, pid, incarnation,
     e.published_at = now
     e.key_len = key_len
     e.body_len = body_len
+end
+
+function _M.put_event(buf, seq, target, publisher, pid, incarnation,
+                      stream_seq, now, key)
+    local key_len = key and #key or 0
+    local bp, body_len = body:ref()
+    local len = EVENT_SIZE + key_len + body_len
+
+    if len <= CHUNK then
+        -- one frame, written in place: no intermediate copy
+        put_header(buf, T_EVENT, 0, len, seq)
+        fill_event(ffi_cast(EVENT_PTR, buf:reserve(EVENT_SIZE)), target,
+                   publisher, pid, incarnation, stream_seq, now, key_len,
+                   body_len)
+        buf:commit(EVENT_SIZE)
+        if key_len > 0 then
+            buf:put(key)
+        end
+        buf:putcdata(bp, body_len)
+        return FRAME_SIZE + len
+    end
+
+    payload:reset()
+    fill_event(ffi_cast(EVENT_PTR, payload:reserve(EVENT_SIZE)), target,
+               publisher, pid, incarnation, stream_seq, now, key_len,
+               body_len)
     payload:commit(EVENT_SIZE)
     if key_len > 0 then
         payload:put(key)
@@ -179,8 +201,8 @@ function _M.put_event(buf, seq, target, publisher, pid, incarnation,
     payload:putcdata(bp, body_len)
 
     local before = #buf
-    local p, len = payload:ref()
-    put_chunked(buf, T_EVENT, seq, p, len)
+    local p, plen = payload:ref()
+    put_chunked(buf, T_EVENT, seq, p, plen)
     return #buf - before
 end
 
