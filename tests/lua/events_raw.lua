@@ -26,6 +26,13 @@ local function hello(over)
 end
 
 
+local function trailer()
+    local out = buffer.new()
+    frame.put_trailer(out, 1, 0)
+    return out:get()
+end
+
+
 local function header(version, typ, len)
     local out = buffer.new()
     frame.put_header(out, typ, 0, len, 1)
@@ -40,7 +47,7 @@ local KINDS = {
     version = function() return header(9, frame.HELLO, 10) .. "0123456789" end,
     not_hello = function() return header(1, frame.EVENT, 0) end,
     hello_garbage = function()
-        return header(1, frame.HELLO, 12) .. "not-a-buffer"
+        return header(1, frame.HELLO, 12) .. "not-a-buffer" .. trailer()
     end,
     lying_pid = function() return hello({ pid = 1 }) end,
     bad_worker = function() return hello({ worker = 99 }) end,
@@ -58,6 +65,7 @@ local KINDS = {
         e.target = frame.UNIQUE
         e.key_len = 0x01000000
         out:commit(frame.EVENT_SIZE)
+        frame.put_trailer(out, 2, 0)
         return hello() .. out:get()
     end,
     -- what a client does: the upgrade, then nothing (counted, harmless)

@@ -61,6 +61,10 @@ local LOCAL = -100                  -- "current": never leaves the worker
 
 local INTERNAL = "loom.bus"         -- source of the bus's own events
 local READ_SIZE = 65536
+local YIELD_BYTES = 65536          -- read between yields to the event loop
+-- bytes per write: LuaJIT allocates strings over 128 KiB with mmap, which
+-- page-faults them in on every write
+local WRITE_MAX = 65536
 local SLICE = 256                   -- events handled between yields
 local CONNECT_TIMEOUT = 2
 local SEND_TIMEOUT = 30
@@ -540,7 +544,8 @@ end
 
 local function reader(self, sock, link)
     local rbuf = buf_new(READ_SIZE)
-    local jitter = 0
+    local need = 0
+    local since_yield = 0
     local partial, partial_seq
     local max_frame = frame.CHUNK
     local max_event = self.opts.max_payload + EVENT_SIZE + UNIQUE_KEY_MAX
@@ -557,10 +562,13 @@ local function reader(self, sock, link)
             self.rwaiters = self.rwaiters - 1
         end
 
-        -- reads of varying size: same-length chunks of similar bytes would
-        -- collide in LuaJIT's string table (see frame.lua)
-        jitter = (jitter + 1) % 251
-        local data, err = sock:receiveany(READ_SIZE - jitter)
+        -- the rest of a frame, or what is there: see frame.lua for why
+        local data, err
+        if need > 0 then
+            data, err = sock:receive(need)
+        else
+            data, err = sock:receiveany(READ_SIZE)
+        end
         if link.error then
             return nil, link.error
         end
@@ -572,6 +580,7 @@ local function reader(self, sock, link)
             while true do
                 local h, pp, size = frame.peek(rbuf, max_frame)
                 if h == nil then
+                    need = pp
                     break
                 end
                 if h == false then
@@ -580,7 +589,7 @@ local function reader(self, sock, link)
                 local typ = h.type
                 local ok
                 if typ == T_EVENT then
-                    local plen = size - FRAME_SIZE
+                    local plen = h.len
                     local seq = frame_seq(h)
                     if partial then
                         if seq ~= partial_seq then
@@ -613,8 +622,7 @@ local function reader(self, sock, link)
                     on_ack(self, frame_seq(h))
 
                 elseif typ == T_REJECT then
-                    local _, reason = pcall(frame.decode_control, pp,
-                                            size - FRAME_SIZE)
+                    local _, reason = pcall(frame.decode_control, pp, h.len)
                     return nil, "rejected by the broker: " .. tostring(reason)
 
                 elseif typ ~= T_PONG then
@@ -624,8 +632,10 @@ local function reader(self, sock, link)
                 end
                 rbuf:skip(size)
             end
-            if #data > READ_SIZE / 2 then
-                -- more is probably waiting: let requests in first
+            since_yield = since_yield + #data
+            if since_yield >= YIELD_BYTES then
+                -- a long run of reads: let requests in
+                since_yield = 0
                 ngx_sleep(0)
             end
         end
@@ -637,8 +647,8 @@ end
 
 -- a header-only control frame
 local function control(typ)
-    local out = buf_new(FRAME_SIZE)
-    frame.put_header(out, typ, 0, 0, 0)
+    local out = buf_new(64)
+    frame.put_empty(out, typ, 0)
     return out:get()
 end
 
@@ -672,10 +682,20 @@ local function writer(self, sock, link)
             return true
         end
         if #self.unsent > 0 then
-            -- everything queued goes in one write; it stays in unacked
-            -- until the broker acknowledges it
-            self.unsent_q:move_to(self.unacked_q)
-            local data = self.unsent:get()
+            -- whole events, up to WRITE_MAX bytes per write; they stay in
+            -- unacked until the broker acknowledges them
+            local uq, aq = self.unsent_q, self.unacked_q
+            local take = 0
+            while true do
+                local s, b = uq:peek()
+                if not s or (take > 0 and take + b > WRITE_MAX) then
+                    break
+                end
+                uq:pop()
+                aq:push(s, b)
+                take = take + b
+            end
+            local data = self.unsent:get(take)
             self.unacked:put(data)
             if not send(sock, link, data) then
                 return nil, link.error
@@ -760,13 +780,12 @@ local function handshake(self, sock)
     if h.version ~= frame.VERSION or len > 4096 then
         return nil, "bad welcome"
     end
-    local body = ""
-    if len > 0 then
-        body, err = sock:receive(len)
-        if not body then
-            return nil, "no welcome: " .. err
-        end
+    local rest
+    rest, err = sock:receive(len + frame.TRAILER_SIZE)
+    if not rest then
+        return nil, "no welcome: " .. err
     end
+    local body = str_sub(rest, 1, len)
     if typ == T_REJECT then
         local _, reason = pcall(buffer.decode, body)
         return nil, "rejected by the broker: " .. tostring(reason), reason

@@ -49,6 +49,10 @@ local UNIQUE = frame.UNIQUE
 local AGENT = frame.AGENT
 
 local READ_SIZE = 65536
+local YIELD_BYTES = 65536          -- read between yields to the event loop
+-- bytes per write: LuaJIT allocates strings over 128 KiB with mmap, which
+-- page-faults them in on every write
+local WRITE_MAX = 65536
 local HELLO_TIMEOUT = 2            -- seconds to send a valid hello
 local SEND_TIMEOUT = 60            -- seconds a write to a busy worker may take
 local LOG_INTERVAL = 10            -- seconds between repeated warnings
@@ -177,7 +181,7 @@ local function send_acks(b)
                 last = seq
             end
             if last then
-                frame.put_header(c.ctl, T_ACK, 0, 0, last)
+                frame.put_empty(c.ctl, T_ACK, last)
                 wake_writer(q)
             end
         end
@@ -228,19 +232,29 @@ local function writer(b, q, c)
             end
         end
         if #q.buf > 0 then
+            -- what is queued now is one batch for the acks; it goes out in
+            -- writes of whole frames up to WRITE_MAX bytes (see frame.lua),
+            -- the rest staying at the front of the buffer (so a failed
+            -- write restores just one)
             local bidx = q.first_bidx
             q.inflight_bidx = bidx
             q.first_bidx = nil
             local events = q.n
             q.n = 0
-            local data = q.buf:get()
-            c.inflight, c.inflight_n, c.inflight_bidx = data, events, bidx
-            local ok, err = sock:send(data)
-            if not ok then
-                restore(q, c)
-                c.closed = true
-                c.error = "failed to send: " .. err
-                return
+            c.inflight_n, c.inflight_bidx = events, bidx
+            local left = #q.buf
+            while left > 0 do
+                local data = q.buf:get(frame.whole_frames(q.buf,
+                    left < WRITE_MAX and left or WRITE_MAX))
+                left = left - #data
+                c.inflight = data
+                local ok, err = sock:send(data)
+                if not ok then
+                    restore(q, c)
+                    c.closed = true
+                    c.error = "failed to send: " .. err
+                    return
+                end
             end
             c.inflight = nil
             q.inflight_bidx = nil
@@ -392,11 +406,16 @@ local function reader(bus, b, c)
     sock:settimeouts(HELLO_TIMEOUT * 1000, SEND_TIMEOUT * 1000,
                      opts.heartbeat * 3000)
 
-    local jitter = 0
+    local need = 0
+    local since_yield = 0
     while true do
-        -- varying sizes: see the client's reader
-        jitter = (jitter + 1) % 251
-        local data, err = sock:receiveany(READ_SIZE - jitter)
+        -- the rest of a frame, or what is there: see frame.lua
+        local data, err
+        if need > 0 then
+            data, err = sock:receive(need)
+        else
+            data, err = sock:receiveany(READ_SIZE)
+        end
         if c.closed then
             -- the writer failed, or another connection took over
             return nil, c.error or "replaced"
@@ -408,6 +427,7 @@ local function reader(bus, b, c)
             while true do
                 local h, pp, size = frame.peek(rbuf, max_frame)
                 if h == nil then
+                    need = pp
                     break
                 end
                 if h == false then
@@ -417,7 +437,7 @@ local function reader(bus, b, c)
                 if typ == T_EVENT then
                     local seq = frame_seq(h)
                     local flags = h.flags
-                    local plen = size - FRAME_SIZE
+                    local plen = h.len
                     if partial then
                         if seq ~= partial_seq then
                             return nil, "interleaved chunks"
@@ -450,7 +470,7 @@ local function reader(bus, b, c)
                     end
 
                 elseif typ == T_PING then
-                    frame.put_header(c.ctl, T_PONG, 0, 0, frame_seq(h))
+                    frame.put_empty(c.ctl, T_PONG, frame_seq(h))
                     wake_writer(c.q)
 
                 elseif typ == T_BYE then
@@ -467,8 +487,10 @@ local function reader(bus, b, c)
             end
             -- once per read, not per event: acks for what is written
             send_acks(b)
-            if #data > READ_SIZE / 2 then
-                -- more is probably waiting: let requests in first
+            since_yield = since_yield + #data
+            if since_yield >= YIELD_BYTES then
+                -- a long run of reads: let requests in
+                since_yield = 0
                 ngx_sleep(0)
             end
         end
@@ -495,14 +517,17 @@ local function read_hello(sock)
         return nil, "hello too large"
     end
     local len = h.len
-    local body
-    body, err = sock:receive(len)
-    if not body then
+    local rest
+    rest, err = sock:receive(len + frame.TRAILER_SIZE)
+    if not rest then
         return nil, "no hello: " .. err
     end
-    rbuf:put(body)
-    local p = rbuf:ref()
-    local ok, hello = pcall(frame.decode_control, p + FRAME_SIZE, len)
+    rbuf:put(rest)
+    local hd, p = frame.peek(rbuf, 4096)
+    if not hd then
+        return nil, "bad hello"
+    end
+    local ok, hello = pcall(frame.decode_control, p, len)
     if not ok or type(hello) ~= "table" then
         return nil, "bad hello"
     end

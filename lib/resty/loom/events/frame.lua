@@ -1,14 +1,22 @@
--- The bus's wire format. Every frame has a 16-byte header: a sequence
--- number (low half first), version, type, flags, payload length. Events
--- carry a 40-byte event header (target, publisher, pid, incarnation,
--- stream sequence, publish time, lengths)
--- followed by the unique key and the string.buffer-encoded body. Payloads
--- larger than one chunk travel as several EVENT frames with the MORE flag.
--- Frames are built in and parsed from string.buffer memory through FFI so
--- that payload bytes become Lua strings only as whole batches (cosockets
--- send and receive strings). LuaJIT hashes long strings by sampling a few
--- places, the first bytes among them: the sequence number comes first so
--- that batches of near-identical events do not collide in the string table.
+-- The bus's wire format. Every frame has a 16-byte header (sequence
+-- number, low half first; version, type, flags, payload length), the
+-- payload and an 8-byte trailer (the sequence's low half again and the
+-- part number of a chunked payload). Events carry a 40-byte event header
+-- (target, publisher, pid, incarnation, stream sequence, publish time,
+-- lengths) followed by the unique key and the string.buffer-encoded body.
+-- Payloads larger than one chunk travel as several EVENT frames with the
+-- MORE flag.
+--
+-- Frames are built in and parsed from string.buffer memory through FFI, so
+-- payload bytes become Lua strings only where cosockets need them: whole
+-- batches sent, and what a read returns. OpenResty's LuaJIT hashes strings
+-- of 128 bytes or more from a sample (their length, 16 words at places
+-- fixed per process, the first and the last 8 bytes), so near-identical
+-- strings of one length collide in the string table and interning them
+-- turns quadratic. Frames therefore start and end with bytes no other
+-- frame has, and readers ask for exactly the rest of a frame once they
+-- have its header (missing()), so what they read starts at a frame's
+-- header or ends at its trailer.
 
 
 local ffi = require "ffi"
@@ -41,6 +49,11 @@ typedef struct {
     uint32_t  incarnation;
     uint32_t  reserved;
 } loom_ev_event_t;
+
+typedef struct {
+    uint32_t  seq_lo;
+    uint32_t  part;
+} loom_ev_trailer_t;
 ]]
 
 
@@ -48,6 +61,8 @@ local FRAME_PTR = ffi.typeof("loom_ev_frame_t *")
 local EVENT_PTR = ffi.typeof("loom_ev_event_t *")
 local FRAME_SIZE = ffi_sizeof("loom_ev_frame_t")
 local EVENT_SIZE = ffi_sizeof("loom_ev_event_t")
+local TRAILER_PTR = ffi.typeof("loom_ev_trailer_t *")
+local TRAILER_SIZE = ffi_sizeof("loom_ev_trailer_t")
 
 local VERSION = 1
 local CHUNK = 256 * 1024
@@ -72,6 +87,7 @@ local _M = {
     _VERSION = "0.1.0",
     VERSION = VERSION,
     FRAME_SIZE = FRAME_SIZE,
+    TRAILER_SIZE = TRAILER_SIZE,
     EVENT_SIZE = EVENT_SIZE,
     CHUNK = CHUNK,
     FLAG_MORE = FLAG_MORE,
@@ -105,6 +121,22 @@ end
 _M.put_header = put_header
 
 
+local function put_trailer(buf, seq, part)
+    local t = ffi_cast(TRAILER_PTR, buf:reserve(TRAILER_SIZE))
+    t.seq_lo = seq % 4294967296
+    t.part = part
+    buf:commit(TRAILER_SIZE)
+end
+_M.put_trailer = put_trailer
+
+
+-- a frame without payload (ack, ping, pong, bye)
+function _M.put_empty(buf, typ, seq)
+    put_header(buf, typ, 0, 0, seq)
+    put_trailer(buf, seq, 0)
+end
+
+
 -- a control frame whose payload is a string.buffer-encoded Lua value
 function _M.put_control(buf, typ, seq, value)
     body:reset()
@@ -114,6 +146,7 @@ function _M.put_control(buf, typ, seq, value)
     local p, len = body:ref()
     put_header(buf, typ, 0, len, seq)
     buf:putcdata(p, len)
+    put_trailer(buf, seq, 0)
 end
 
 
@@ -135,9 +168,10 @@ local function put_chunked(buf, typ, seq, p, len)
     if len <= CHUNK then
         put_header(buf, typ, 0, len, seq)
         buf:putcdata(p, len)
+        put_trailer(buf, seq, 0)
         return
     end
-    local off = 0
+    local off, part = 0, 0
     while off < len do
         local n = len - off
         local fl = 0
@@ -147,7 +181,9 @@ local function put_chunked(buf, typ, seq, p, len)
         end
         put_header(buf, typ, fl, n, seq)
         buf:putcdata(p + off, n)
+        put_trailer(buf, seq, part)
         off = off + n
+        part = part + 1
     end
 end
 _M.put_chunked = put_chunked
@@ -187,7 +223,8 @@ function _M.put_event(buf, seq, target, publisher, pid, incarnation,
             buf:put(key)
         end
         buf:putcdata(bp, body_len)
-        return FRAME_SIZE + len
+        put_trailer(buf, seq, 0)
+        return FRAME_SIZE + len + TRAILER_SIZE
     end
 
     payload:reset()
@@ -207,13 +244,14 @@ function _M.put_event(buf, seq, target, publisher, pid, incarnation,
 end
 
 
--- Looks at the frame at the front of buf. Returns nil when it is not
--- complete yet; false, reason when the bytes are not a valid frame;
--- otherwise the header pointer, the payload pointer and the frame's size.
+-- Looks at the frame at the front of buf. Returns nil and the number of
+-- bytes still missing when it is not complete yet (0 for an empty buf);
+-- false, reason when the bytes are not a valid frame; otherwise the header
+-- pointer, the payload pointer and the frame's size (trailer included).
 function _M.peek(buf, max_len)
     local p, n = buf:ref()
     if n < FRAME_SIZE then
-        return nil
+        return nil, n == 0 and 0 or FRAME_SIZE - n
     end
     local h = ffi_cast(FRAME_PTR, p)
     if h.version ~= VERSION then
@@ -229,10 +267,33 @@ function _M.peek(buf, max_len)
     if len > max_len then
         return false, "frame too large"
     end
-    if n < FRAME_SIZE + len then
-        return nil
+    local size = FRAME_SIZE + len + TRAILER_SIZE
+    if n < size then
+        return nil, size - n
     end
-    return h, p + FRAME_SIZE, FRAME_SIZE + len
+    if ffi_cast(TRAILER_PTR, p + FRAME_SIZE + len).seq_lo ~= h.seq_lo then
+        return false, "bad trailer"
+    end
+    return h, p + FRAME_SIZE, size
+end
+
+
+-- The length of the longest run of whole frames at the front of buf (a
+-- queue of frames built here) that fits in max bytes, or of the first
+-- frame when that alone is larger: a write that starts at a header and
+-- ends at a trailer.
+function _M.whole_frames(buf, max)
+    local p, n = buf:ref()
+    local off = 0
+    while off + FRAME_SIZE <= n do
+        local size = FRAME_SIZE + ffi_cast(FRAME_PTR, p + off).len
+                     + TRAILER_SIZE
+        if off > 0 and off + size > max then
+            break
+        end
+        off = off + size
+    end
+    return off
 end
 
 
