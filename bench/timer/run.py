@@ -416,8 +416,9 @@ def write(args, raw, failures, counts, vs, load_before, started):
     for v in vs:
         med["micro"][v] = summarize(
             [c for c in raw["micro"] if c["variant"] == v],
-            ["schedule_us", "cancel_us", "heap_b", "rss_b",
-             "heap_after_cancel_b", "rss_after_cancel_b"])
+            ["schedule_us", "cancel_us", "schedule_cpu_us", "cancel_cpu_us",
+             "heap_b", "rss_b", "heap_after_cancel_b",
+             "rss_after_cancel_b"])
         med["sleepers"][v] = summarize(
             [c for c in raw["sleepers"] if c["variant"] == v], ["seconds"])
         med["idle"][v] = summarize(

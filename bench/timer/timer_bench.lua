@@ -25,6 +25,14 @@ end
 _M.mono = mono
 
 
+-- CPU time of this process (CLOCK_PROCESS_CPUTIME_ID): unlike the
+-- monotonic clock it does not count the time other jobs held the core
+local function cpu()
+    C.loom_timer_clock_gettime(2, ts)
+    return tonumber(ts.tv_sec) + tonumber(ts.tv_nsec) / 1e9
+end
+
+
 local function rss_kb()
     local f = io.open("/proc/self/status")
     local s = f:read("*a")
@@ -129,31 +137,37 @@ function _M.micro(n)
     collectgarbage()
     collectgarbage()
     local heap0, rss0 = collectgarbage("count"), rss_kb()
+    local c0 = cpu()
     local t0 = mono()
     for i = 1, n do
         hs[i] = at(60, noop)
     end
     local t1 = mono()
+    local c1 = cpu()
     collectgarbage()
     collectgarbage()
     local heap1, rss1 = collectgarbage("count"), rss_kb()
     local out = {
         schedule_us = (t1 - t0) / n * 1e6,
+        schedule_cpu_us = (c1 - c0) / n * 1e6,
         heap_b = (heap1 - heap0) * 1024 / n,
         rss_b = (rss1 - rss0) * 1024 / n,
     }
     if cancel then
+        c0 = cpu()
         t0 = mono()
         for i = 1, n do
             cancel(hs[i])
         end
         t1 = mono()
+        c1 = cpu()
         for i = 1, n do
             hs[i] = nil
         end
         collectgarbage()
         collectgarbage()
         out.cancel_us = (t1 - t0) / n * 1e6
+        out.cancel_cpu_us = (c1 - c0) / n * 1e6
         out.heap_after_cancel_b = (collectgarbage("count") - heap0) * 1024 / n
         out.rss_after_cancel_b = (rss_kb() - rss0) * 1024 / n
     end

@@ -169,8 +169,12 @@ local function lane(r)
     local e = eng
     local slice = cfg.slice * 1e6
     local start = clock()
-    while e:run_next() do
-        if e.last_end - start >= slice and e:queued() > 0 then
+    local now = start
+    -- runs back to back: the end of one run is the start of the next (one
+    -- clock read per run)
+    while e:run_next(now) do
+        now = e.last_end
+        if now - start >= slice and e:queued() > 0 then
             parked = parked + 1
             ngx_sleep(0)
             parked = parked - 1
@@ -178,6 +182,7 @@ local function lane(r)
             -- next, it spawns another lane for the rest of the queue
             sema:post(1)
             start = clock()
+            now = start
         end
     end
     r.threads = r.threads - 1
@@ -459,8 +464,11 @@ function _M.every(interval, callback, ...)
 end
 
 
+local e_cancel = core.cancel
+
+
 function _M.cancel(handle)
-    return engine():cancel(handle)
+    return e_cancel(eng or engine(), handle)
 end
 
 

@@ -4,8 +4,9 @@
 -- tests drive it with a fake clock.
 --
 -- Jobs live in parallel arrays indexed by a small integer id (an FFI struct
--- array for the numeric fields, Lua arrays for the callback and its first
--- two arguments), so a pending timer costs about 100 bytes and no table.
+-- array for the numeric fields, grown without copying by
+-- resty.loom.timer.array, and Lua arrays for the callback and its first two
+-- arguments), so a pending timer costs about 100 bytes and no table.
 -- A handle is the number gen * 2^24 + id; freeing a job bumps gen, so stale
 -- handles are refused.
 
@@ -13,11 +14,12 @@
 local ffi = require "ffi"
 local bit = require "bit"
 local wheel = require "resty.loom.timer.wheel"
+local array = require "resty.loom.timer.array"
 local stats = require "resty.loom.timer.stats"
 
-local ffi_new = ffi.new
-local ffi_copy = ffi.copy
 local ffi_sizeof = ffi.sizeof
+local arr_new = array.new
+local arr_grow = array.grow
 local band = bit.band
 local bor = bit.bor
 local bnot = bit.bnot
@@ -60,6 +62,7 @@ typedef struct {
     double   interval;  /* us; 0 for one-shot timers */
     uint32_t gen;
     uint32_t qtok;
+    uint32_t site;      /* index of the site record; 0: none */
     uint8_t  state;
     uint8_t  flags;
     uint8_t  nargs;
@@ -69,6 +72,7 @@ typedef struct {
 
 
 local JOBS = ffi.typeof("loom_timer_job_t[?]")
+local JOB_PTR = ffi.typeof("loom_timer_job_t *")
 local JOB_SIZE = ffi_sizeof("loom_timer_job_t")
 
 local FREE = 0
@@ -135,6 +139,7 @@ function _M.new(opts)
     local cap = 1024
     local res_us = floor(res * 1e6 + 0.5)
     local now = clock()
+    local store = arr_new(JOB_PTR, JOBS, JOB_SIZE, cap + 1)
     local self = {
         res = res_us,
         clock = clock,
@@ -149,7 +154,8 @@ function _M.new(opts)
         max_names = max_names,
         sleep_until = nil,          -- set by the driver while it sleeps
         wheel = wheel.new(floor(now / res_us), cap),
-        jobs = ffi_new(JOBS, cap + 1),
+        store = store,
+        jobs = store.ptr,
         cap = cap,
         top = 0,
         free = tbl_new(64, 0),
@@ -158,7 +164,6 @@ function _M.new(opts)
         a1 = tbl_new(cap, 0),
         a2 = tbl_new(cap, 0),
         argv = {},
-        site = tbl_new(cap, 0),
         nrec = {},
         name_of = {},
         maxrt = {},
@@ -174,7 +179,11 @@ function _M.new(opts)
         exiting = false,
         exit_deadline = nil,
         sites = {},
+        site_list = {},             -- index (job.site) -> site record
+        nsites = 0,
         site_by_cb = {},            -- callback -> site record (bounded)
+        last_cb = nil,              -- the last callback seen and its site
+        last_rec = nil,
         ncached = 0,
         name_stats = {},
         nnames = 0,
@@ -195,9 +204,8 @@ local function grow(self)
     if cap > ID_SPAN - 1 then
         cap = ID_SPAN - 1
     end
-    local jobs = ffi_new(JOBS, cap + 1)
-    ffi_copy(jobs, self.jobs, (self.cap + 1) * JOB_SIZE)
-    self.jobs = jobs
+    -- the arrays may move: callers re-read self.jobs after alloc()
+    self.jobs = arr_grow(self.store, cap + 1)
     self.wheel:grow(cap)
     self.cap = cap
 end
@@ -274,27 +282,33 @@ local function free_job(self, id)
     j.flags = 0
     j.gen = (j.gen + 1) % GEN_SPAN
     self.cb[id] = nil
-    self.a1[id] = nil
-    self.a2[id] = nil
-    if j.nargs > 2 then
-        self.argv[id] = nil
+    local n = j.nargs
+    if n > 0 then
+        self.a1[id] = nil
+        if n > 1 then
+            self.a2[id] = nil
+            if n > 2 then
+                self.argv[id] = nil
+            end
+        end
     end
-    local rec = self.site[id]
-    if rec then
+    local si = j.site
+    if si ~= 0 then
+        local rec = self.site_list[si]
         rec.pending = rec.pending - 1
-        self.site[id] = nil
+        j.site = 0
     end
     if extra then
-        rec = self.nrec[id]
+        local rec = self.nrec[id]
         if rec then
             rec.pending = rec.pending - 1
             self.nrec[id] = nil
         end
         self.maxrt[id] = nil
     end
-    local n = self.nfree + 1
-    self.free[n] = id
-    self.nfree = n
+    local nf = self.nfree + 1
+    self.free[nf] = id
+    self.nfree = nf
     self.alive = self.alive - 1
 end
 
@@ -362,8 +376,13 @@ local function site_for(self, cb)
     local precise = self.precise_sites
     local rec
     if not precise then
+        if cb == self.last_cb then
+            return self.last_rec
+        end
         rec = self.site_by_cb[cb]
         if rec then
+            self.last_cb = cb
+            self.last_rec = rec
             return rec
         end
     end
@@ -398,6 +417,10 @@ local function site_for(self, cb)
                               .. def.linedefined
         rec.stack = tbl_concat(folded, ";")
         self.sites[key] = rec
+        local ns = self.nsites + 1
+        self.nsites = ns
+        self.site_list[ns] = rec
+        rec.idx = ns
     end
     if not precise then
         -- a strong cache, emptied when full: a weak-keyed table would make
@@ -410,6 +433,8 @@ local function site_for(self, cb)
         end
         self.ncached = n
         self.site_by_cb[cb] = rec
+        self.last_cb = cb
+        self.last_rec = rec
     end
     return rec
 end
@@ -456,7 +481,7 @@ local function add(self, delay, interval, mode, opts, cb, n, ...)
     end
     local clock = self.clock
     local now = clock()
-    local j = self.jobs[id]
+    local j = self.jobs[id]         -- after alloc(): the array may move
     j.interval = interval * 1e6
     j.mode = mode
     j.flags = 0
@@ -476,7 +501,7 @@ local function add(self, delay, interval, mode, opts, cb, n, ...)
         local rec = site_for(self, cb)
         rec.pending = rec.pending + 1
         rec.created = rec.created + 1
-        self.site[id] = rec
+        j.site = rec.idx
     end
     if opts and (name ~= nil or opts.max_run_time) then
         j.flags = F_EXTRA
@@ -842,8 +867,10 @@ local function report_error(self, id, rec, err)
 end
 
 
--- runs the next queued job; returns false when the queue is empty
-function _M.run_next(self)
+-- runs the next queued job; returns false when the queue is empty.
+-- now: the clock, when the caller has just read it (a lane passes the end
+-- of its previous run: runs back to back cost one clock read each)
+function _M.run_next(self, now)
     local id, qtime = pop(self)
     if not id then
         return false
@@ -858,7 +885,7 @@ function _M.run_next(self)
     end
 
     local clock = self.clock
-    local t0 = clock()
+    local t0 = now or clock()
     if prem and self.exit_deadline and t0 > self.exit_deadline then
         self.last_end = t0
         totals.dropped = totals.dropped + 1
@@ -867,7 +894,8 @@ function _M.run_next(self)
     end
 
     local extra = band(j.flags, F_EXTRA) ~= 0
-    local rec = self.site[id]
+    local si = j.site
+    local rec = si ~= 0 and self.site_list[si] or nil
     local nrec = extra and self.nrec[id] or nil
     if rec then
         rec.running = rec.running + 1

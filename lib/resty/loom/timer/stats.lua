@@ -26,7 +26,7 @@ local HIST = ffi.typeof("uint32_t[?]")
 local _M = { _VERSION = "0.1.0", BUCKETS = NB }
 
 
-local function bucket(us)
+local function bucket_of(us)
     if us < 1 then
         return 0
     end
@@ -35,6 +35,26 @@ local function bucket(us)
         return NB - 1
     end
     return i
+end
+
+
+-- the buckets of whole microseconds under 65,536 (64 KB), which are most
+-- values: a table read instead of a logarithm on every run
+local LUT_N = 65536
+local LUT = ffi_new("uint8_t[?]", LUT_N)
+for us = 0, LUT_N - 1 do
+    LUT[us] = bucket_of(us)
+end
+
+
+local function bucket(us)
+    if us < LUT_N then
+        local f = floor(us)
+        if f == us and f >= 0 then
+            return LUT[f]
+        end
+    end
+    return bucket_of(us)
 end
 
 

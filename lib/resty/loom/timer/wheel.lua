@@ -5,18 +5,23 @@
 -- deadlines are parked in the top level and re-inserted until due.
 -- A timer sits in exactly one slot of a doubly-linked list whose links are
 -- kept in an FFI array indexed by timer id: insert and remove are O(1) and
--- remove frees the slot at once. When the level-0 index wraps, the next
+-- remove frees the slot at once (the links grow with mremap, without a
+-- copy: resty.loom.timer.array). When the level-0 index wraps, the next
 -- level's current slot is cascaded down; each timer moves down at most once
 -- per level, so it expires exactly on its tick (never before it).
 -- Ids are small positive integers handed out by the caller (0 means none).
 
 
 local ffi = require "ffi"
+local bit = require "bit"
+local array = require "resty.loom.timer.array"
 
 local ffi_new = ffi.new
-local ffi_copy = ffi.copy
 local ffi_sizeof = ffi.sizeof
+local arr_new = array.new
+local arr_grow = array.grow
 local floor = math.floor
+local rshift = bit.rshift
 local ceil = math.ceil
 local setmetatable = setmetatable
 
@@ -26,13 +31,14 @@ typedef struct {
     double   tick;
     int32_t  next;
     int32_t  prev;
-    int32_t  slot;
+    int32_t  slot;      /* slot + 1; 0: not in the wheel */
     int32_t  pad;
 } loom_timer_wnode_t;
 ]])
 
 
 local NODES = ffi.typeof("loom_timer_wnode_t[?]")
+local NODE_PTR = ffi.typeof("loom_timer_wnode_t *")
 local NODE_SIZE = ffi_sizeof("loom_timer_wnode_t")
 local LEVELS = 6
 local SLOTS = 64
@@ -50,33 +56,26 @@ local mt = { __index = _M }
 -- now: the first tick not yet processed; cap: initial id capacity
 function _M.new(now, cap)
     cap = cap or 1024
-    local nodes = ffi_new(NODES, cap + 1)
+    local store = arr_new(NODE_PTR, NODES, NODE_SIZE, cap + 1)
     local self = {
-        nodes = nodes,
+        store = store,
+        nodes = store.ptr,
         cap = cap,
         head = ffi_new("int32_t[?]", LEVELS * SLOTS),
-        cnt = { [0] = 0, 0, 0, 0, 0, 0 },
+        cnt = ffi_new("int32_t[?]", LEVELS),    -- timers per level
         now = now or 0,
         count = 0,
     }
-    for i = 0, cap do
-        nodes[i].slot = -1
-    end
     return setmetatable(self, mt)
 end
 
 
--- makes room for ids up to cap (keeps the links)
+-- makes room for ids up to cap (keeps the links; the node array may move)
 function _M.grow(self, cap)
     if cap <= self.cap then
         return
     end
-    local nodes = ffi_new(NODES, cap + 1)
-    ffi_copy(nodes, self.nodes, (self.cap + 1) * NODE_SIZE)
-    for i = self.cap + 1, cap do
-        nodes[i].slot = -1
-    end
-    self.nodes = nodes
+    self.nodes = arr_grow(self.store, cap + 1)
     self.cap = cap
 end
 
@@ -120,7 +119,7 @@ local function link(self, id, tick)
     local h = head[slot]
     nd.next = h
     nd.prev = 0
-    nd.slot = slot
+    nd.slot = slot + 1
     if h ~= 0 then
         nodes[h].prev = id
     end
@@ -141,7 +140,7 @@ end
 function _M.remove(self, id)
     local nodes = self.nodes
     local nd = nodes[id]
-    local slot = nd.slot
+    local slot = nd.slot - 1
     if slot < 0 then
         return false
     end
@@ -154,8 +153,8 @@ function _M.remove(self, id)
     if nx ~= 0 then
         nodes[nx].prev = pv
     end
-    nd.slot = -1
-    local lvl = floor(slot / SLOTS)
+    nd.slot = 0
+    local lvl = rshift(slot, 6)             -- slot / SLOTS
     local cnt = self.cnt
     cnt[lvl] = cnt[lvl] - 1
     self.count = self.count - 1
@@ -164,7 +163,7 @@ end
 
 
 function _M.contains(self, id)
-    return self.nodes[id].slot >= 0
+    return self.nodes[id].slot > 0
 end
 
 
@@ -222,7 +221,7 @@ function _M.advance(self, target, on_expire, ctx)
             while id ~= 0 do
                 local nd = nodes[id]
                 local nx = nd.next
-                nd.slot = -1
+                nd.slot = 0
                 cnt[0] = cnt[0] - 1
                 if nd.tick > tj then
                     link(self, id, nd.tick)  -- parked beyond the top level
