@@ -136,18 +136,45 @@ def pubs(ngx, workers):
     return out
 
 
-def rate(p0, p1):
-    if not p0 or not p1:
-        return None, None
+def early_fires(p):
+    if not p:
+        return None
+    return sum(v[1] for v in p.values())
+
+
+def bins(ngx, workers):
+    """{worker: (base, interval, [runs of bin 1, bin 2, ...])}: runs by the
+    due time of the grid point they were for (see timer_bench.lua)."""
+    out = {}
+    for w in range(workers):
+        v = get(ngx, "bins:%d" % w)
+        if not v or v == "nil":
+            return None
+        f = v.split()
+        out[w] = (float(f[0]), float(f[1]), [int(x) for x in f[2:]])
+    return out
+
+
+def rate(bs, ta, tb):
+    """Runs per second over the bins due entirely within [ta, tb]
+    (CLOCK_MONOTONIC seconds, the clock of timer_bench.lua's mono()) and
+    the number of bins, summed over the workers; every timer has exactly
+    one grid point per bin, so the expected rate is timers / interval."""
+    if not bs:
+        return None, 0
     r = 0.0
-    early = 0
-    for w in p0:
-        dt = p1[w][2] - p0[w][2]
-        if dt <= 0:
-            return None, None
-        r += (p1[w][0] - p0[w][0]) / dt
-        early += p1[w][1]
-    return r, early
+    nb = None
+    for base, iv, counts in bs.values():
+        first = int((ta - base) / iv) + 1
+        last = int((tb - base) / iv) - 1        # bin last ends <= tb
+        if last < first:
+            return None, 0
+        runs = sum(counts[b - 1] if 0 < b <= len(counts) else 0
+                   for b in range(first, last + 1))
+        n = last - first + 1
+        nb = n if nb is None else min(nb, n)
+        r += runs / (n * iv)
+    return r, nb
 
 
 def wrk(url, duration):
@@ -172,17 +199,25 @@ def recurring_cell(variant, n, duration, idle_s):
     try:
         pids = ngx.worker_pids()
         time.sleep(2)
-        p0, c0, t0 = pubs(ngx, 2), cpu_ticks(pids), time.time()
+        c0, t0 = cpu_ticks(pids), time.time()
+        m0 = time.monotonic()
         time.sleep(idle_s)
-        p1, c1, t1 = pubs(ngx, 2), cpu_ticks(pids), time.time()
-        idle_rate, _ = rate(p0, p1)
+        c1, t1 = cpu_ticks(pids), time.time()
+        m1 = time.monotonic()
         idle_cpu = (c1 - c0) / CLK_TCK / (t1 - t0) * 100
         wrk(ngx.url("/"), 1)
-        p2, c2, t2 = pubs(ngx, 2), cpu_ticks(pids), time.time()
+        c2, t2 = cpu_ticks(pids), time.time()
+        m2 = time.monotonic()
         w = wrk(ngx.url("/"), duration)
         c3, t3 = cpu_ticks(pids), time.time()
+        m3 = time.monotonic()
+        # runs due in the windows may start late: give them a period and
+        # a publish (0.5 s) before reading the counts
+        time.sleep(1.5)
         p3 = pubs(ngx, 2)
-        load_rate, early = rate(p2, p3)
+        bs = bins(ngx, 2) if n else None
+        idle_rate, idle_bins = rate(bs, m0, m1)
+        load_rate, load_bins = rate(bs, m2, m3)
         expected = n * 10 * 2
         cell = dict(w)
         cell.update({
@@ -193,12 +228,14 @@ def recurring_cell(variant, n, duration, idle_s):
             "rss_mb_per_worker": sum(rss_kb(p) for p in pids) / 1024 / 2,
             "callbacks_per_s_load": load_rate,
             "callbacks_per_s_idle": idle_rate,
+            "callback_bins_load": load_bins,
+            "callback_bins_idle": idle_bins,
             "expected_per_s": expected,
             "callback_pct_load": (100 * load_rate / expected
                                   if expected and load_rate else None),
             "callback_pct_idle": (100 * idle_rate / expected
                                   if expected and idle_rate else None),
-            "early_fires": early,
+            "early_fires": early_fires(p3) if n else None,
         })
         return cell
     finally:
@@ -284,6 +321,18 @@ def loadavg():
         return f.read().split()[:3]
 
 
+LOADS = []          # 1-minute load averages sampled around every cell
+
+
+def note():
+    """What is known about the conditions of the run: the load average
+    sampled before and after each cell, nothing more."""
+    loads = LOADS + [float(loadavg()[0])]
+    return ("1-minute load average %.2f to %.2f (sampled before and after "
+            "each cell) on %d CPUs; wrk and nginx share these CPUs" % (
+                min(loads), max(loads), os.cpu_count()))
+
+
 def fmt(v, nd=1, pct=False):
     if v is None:
         return "n/a"
@@ -303,7 +352,8 @@ def table(path):
     names = {"native": "native ngx.timer", "loom": "resty.loom.timer",
              "ng": "lua-resty-timer-ng 0.2.7"}
     out = ["Measured %s, %d repetitions, medians. %s." % (
-        res["date"], res["setup"]["reps"], res["note"].capitalize()), ""]
+        res["date"], res["setup"]["reps"],
+        res["note"][:1].upper() + res["note"][1:]), ""]
     out.append("100k one-shot timers 60 s out (1 worker):")
     out.append("")
     out.append("| | schedule µs | cancel µs | heap B/timer | RSS B/timer "
@@ -381,6 +431,8 @@ def main():
         return vs if rep % 2 == 0 else list(reversed(vs))
 
     def attempt(kind, fn, *a):
+        load0 = float(loadavg()[0])
+        LOADS.append(load0)
         try:
             c = fn(*a)
         except Exception as e:          # a variant that collapses
@@ -388,6 +440,9 @@ def main():
                              "error": str(e)[:300]})
             print(kind, "FAILED", a, str(e)[:200], flush=True)
             return
+        load1 = float(loadavg()[0])
+        LOADS.append(load1)
+        c["loadavg_1m"] = [load0, load1]
         print(kind, json.dumps(c), flush=True)
         raw[kind].append(c)
         write(args, raw, failures, counts, vs, load_before, started)
@@ -443,10 +498,7 @@ def write(args, raw, failures, counts, vs, load_before, started):
     result = {
         "benchmark": "bench-timer",
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "note": ("measured on a shared 2-core machine while other "
-                 "developers' builds, tests and benchmarks were running "
-                 "(load average in setup); wrk and nginx share the cores; "
-                 "figures are noisy, compare rows of the same run only"),
+        "note": note(),
         "setup": {
             "variants": vs,
             "peer_timer_ng": bool(PEER),
@@ -454,10 +506,15 @@ def write(args, raw, failures, counts, vs, load_before, started):
             "wrk": "-t1 -c64 -d%ds --latency (after a 1 s warm-up)"
                    % args.duration,
             "recurring": "2 workers, N timers per worker every 0.1 s, "
-                         "trivial callback; idle window %d s" % args.idle,
+                         "trivial callback; idle window %d s; callbacks "
+                         "counted by the due time of their grid point, over "
+                         "the 0.1 s bins due entirely within each window, "
+                         "read 1.5 s after the load ends" % args.idle,
             "micro": "1 worker, 100k one-shot timers 60 s out created in "
-                     "one request after 10k warm-up ones; memory after two "
-                     "full GCs",
+                     "one request after 10k warm-up ones; *_us: wall time "
+                     "(monotonic clock), *_cpu_us: CPU time of the worker; "
+                     "memory after two full GCs (heap: the Lua heap only, "
+                     "RSS: everything)",
             "sleepers": "1 worker, 5000 at(0) jobs that each ngx.sleep(0.2)",
             "idle": "1 worker, 100k timers 3600 s out, CPU over 10 s",
             "loadavg_before": load_before,

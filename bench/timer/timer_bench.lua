@@ -12,6 +12,7 @@ int loom_timer_clock_gettime(int clk, loom_timer_timespec_t *tp)
 
 local ts = ffi.new("loom_timer_timespec_t")
 local C = ffi.C
+local floor = math.floor
 
 local _M = {}
 
@@ -80,17 +81,38 @@ end
 local count = 0
 local early = 0
 
--- a recurring callback: counts, and counts a fire before the creation-
--- anchored grid point of its run number as early
+-- Runs are counted by the grid point they are for, in bins of one interval
+-- of due time: bins[b] counts the runs due in [base + b * iv,
+-- base + (b + 1) * iv). Every timer has exactly one grid point in each
+-- such bin after its first run, so a bin is complete at n runs; counting
+-- by run time instead would let a window hold one burst more or less than
+-- its length (all timers are created together, so they fire in bursts).
+local bins = {}
+local maxbin = 0
+local base = 0            -- mono() before the first timer was created
+local tick_iv = 0
+
+
+-- a recurring callback. st = { created (mono), runs, interval, first bin }.
+-- A fire before the creation-anchored grid point of its run number is
+-- early.
 local function tick(premature, st)
     if premature then
         return
     end
+    local t = mono()
     count = count + 1
     local k = st[2] + 1
     st[2] = k
-    if mono() < st[1] + k * st[3] - 1e-4 then
+    local c, iv = st[1], st[3]
+    if t < c + k * iv - 1e-4 then
         early = early + 1
+    end
+    -- the grid point this run is for: the last one at or before t
+    local b = floor((t - c) / iv) + st[4]
+    bins[b] = (bins[b] or 0) + 1
+    if b > maxbin then
+        maxbin = b
     end
 end
 
@@ -99,8 +121,16 @@ local function publish(premature)
     if premature then
         return
     end
-    ngx.shared.bench:set("pub:" .. ngx.worker.id(),
-                         count .. " " .. early .. " " .. mono())
+    local id = ngx.worker.id()
+    local d = ngx.shared.bench
+    d:set("pub:" .. id, count .. " " .. early .. " " .. mono())
+    if maxbin > 0 then
+        local out = { base, tick_iv }
+        for b = 1, maxbin do
+            out[b + 2] = bins[b] or 0
+        end
+        d:set("bins:" .. id, table.concat(out, " "))
+    end
 end
 
 
@@ -109,9 +139,12 @@ function _M.init_worker(n, iv)
     if _M.variant == "ng" then
         assert(tng:start())
     end
-    local now = mono()
+    base = mono()
+    tick_iv = iv
     for _ = 1, n do
-        local ok, err = every(iv, tick, { now, 0, iv })
+        local now = mono()
+        local ok, err = every(iv, tick, { now, 0, iv,
+                                          floor((now - base) / iv) })
         if not ok then
             ngx.log(ngx.ERR, "bench: failed to create timer: ", err)
             break
