@@ -1,5 +1,7 @@
 """Delivery by target, ordering, payload size limits."""
 
+import time
+
 import eventsconf as ec
 
 
@@ -7,6 +9,31 @@ def start(nginx, workers=4, opts="", **kw):
     n = nginx(workers=workers, http=ec.http(opts), server=ec.SERVER, **kw)
     ec.wait_ready(n)
     return n
+
+
+def test_own_events_in_publish_order(nginx):
+    """A worker's own copies of its "all" events and its events to itself
+    skip the broker: its handlers still see them in the order published,
+    also when the writer sends the queue in several writes."""
+    n = start(nginx)
+    r = n.get("/ev/pub?target=mixself&n=3000&source=trace&size=200").json()
+    assert r["ok"] == 3000
+    pub = r["worker"]
+    deadline = time.time() + 15
+    while True:
+        st = ec.states(n)
+        want = {w: (3000 if w == pub else 1500) for w in st}
+        if all(len(s["trace"]) == want[w] for w, s in st.items()):
+            break
+        assert time.time() < deadline, {w: len(s["trace"])
+                                        for w, s in st.items()}
+        time.sleep(0.05)
+    assert st[pub]["trace"] == list(range(1, 3001))
+    for w, s in st.items():
+        if w != pub:
+            assert s["trace"] == list(range(1, 3001, 2))
+    # nothing of it came back through the broker to the publisher
+    assert st[pub]["stats"]["duplicates"] == 0
 
 
 def test_all_others_current_worker(nginx):

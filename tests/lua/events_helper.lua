@@ -12,6 +12,7 @@ local order_errors = 0
 local total = 0
 local sizes = {}
 local gap_calls = {}    -- publisher -> missing events reported to on_gap
+local trace = {}        -- data.n of source "trace", in the order handled
 
 
 function _M.init(opts)
@@ -31,6 +32,7 @@ local function state()
         order_errors = order_errors,
         sizes = sizes,
         gap_calls = gap_calls,
+        trace = trace,
         ready = bus:is_ready(),
         stats = bus:stats(),
     }
@@ -53,6 +55,10 @@ function _M.init_worker()
         total = total + 1
         local k = tostring(wid) .. ":" .. source .. ":" .. event
         received[k] = (received[k] or 0) + 1
+        if source == "trace" then
+            trace[#trace + 1] = data.n
+            return
+        end
         if type(data) == "table" and data.n then
             -- a respawned worker is a new publisher: key by pid if known
             local key = tostring(data.pid or wid) .. ":" .. source
@@ -114,7 +120,12 @@ function _M.handle()
         end
         for i = start, start + n - 1 do
             local data = { n = i, blob = pad }
-            local ok, err = bus:publish(target, source, a.event or "e", data)
+            local to = target
+            if to == "mixself" then
+                -- "all", then this worker by id, and so on
+                to = i % 2 == 1 and "all" or ngx.worker.id()
+            end
+            local ok, err = bus:publish(to, source, a.event or "e", data)
             if ok then
                 okc = okc + 1
             else

@@ -9,6 +9,7 @@ local buffer = require "string.buffer"
 local semaphore = require "ngx.semaphore"
 local frame = require "resty.loom.events.frame"
 local fifo = require "resty.loom.events.fifo"
+local ring = require "resty.loom.events.ring"
 local broker = require "resty.loom.events.broker"
 local histogram = require "resty.loom.histogram"
 
@@ -260,9 +261,13 @@ function _M.new(opts)
         waiters = 0,
 
         -- receiving
-        inbox = {},                 -- ring of events for the handlers
-        inbox_head = 1,
-        inbox_tail = 0,
+        inbox = ring.new(),         -- events for the handlers
+        -- this worker's own events to itself, delivered in publish order
+        -- as the writer takes what was published before them (seq,
+        -- source, event, data, published_at, queued: a copy of an event
+        -- that is also queued for the broker)
+        own = ring.new(),
+        own_missing = 0,            -- our own copies dropped (drop_oldest)
         isema = semaphore.new(),
         handler_idle = false,       -- the handler loop waits on isema
         rspace = semaphore.new(),
@@ -317,23 +322,12 @@ end
 -- inbox ------------------------------------------------------------------
 
 local function inbox_len(self)
-    return self.inbox_tail - self.inbox_head + 1
+    return self.inbox:len()
 end
 
 
-local SLOTS = 6
-
 local function inbox_push(self, source, event, data, wid, latency, pid)
-    local t = self.inbox_tail + 1
-    self.inbox_tail = t
-    local box = self.inbox
-    local i = (t - 1) * SLOTS
-    box[i + 1] = source
-    box[i + 2] = event
-    box[i + 3] = data
-    box[i + 4] = wid
-    box[i + 5] = latency
-    box[i + 6] = pid
+    self.inbox:push(source, event, data, wid, latency, pid)
     if self.handler_idle then
         self.handler_idle = false
         self.isema:post(1)
@@ -341,25 +335,45 @@ local function inbox_push(self, source, event, data, wid, latency, pid)
 end
 
 
-local function inbox_pop(self)
-    local h = self.inbox_head
-    if h > self.inbox_tail then
-        return nil
+-- counts events of a publisher that never reached this worker, and tells
+-- the gap hooks
+local function report_gap(self, publisher, pid, missing)
+    self.counters.gaps = self.counters.gaps + missing
+    warn_once(self, "gap", "gap: ", missing, " event(s) from worker ",
+              publisher, " (pid ", pid, ") missing; ", self.counters.gaps,
+              " so far")
+    for _, hook in ipairs(self.gap_hooks) do
+        local ok, err = xpcall(hook, traceback, publisher, missing)
+        if not ok then
+            log(ERR, "gap hook failed: ", err)
+        end
     end
-    local box = self.inbox
-    local i = (h - 1) * SLOTS
-    local source, event, data, wid, latency, pid =
-        box[i + 1], box[i + 2], box[i + 3], box[i + 4], box[i + 5],
-        box[i + 6]
-    box[i + 1], box[i + 2], box[i + 3], box[i + 4], box[i + 5],
-        box[i + 6] = nil, nil, nil, nil, nil, nil
-    if h == self.inbox_tail then
-        self.inbox_head = 1
-        self.inbox_tail = 0
-    else
-        self.inbox_head = h + 1
+end
+
+
+-- hands the handlers our own events up to the queued event seq (all of
+-- them when seq is nil); drops our copy of event seq itself when drop is
+-- set (drop_oldest dropped it)
+local function deliver_own(self, seq, drop)
+    local own = self.own
+    while true do
+        local s = own:peek()
+        if not s or (seq and s > seq) then
+            return
+        end
+        local _, source, event, data, at, queued = own:pop()
+        if drop and queued and s == seq then
+            -- our handlers miss it like everyone else's: a gap, reported
+            -- with the next of our events they get
+            self.own_missing = self.own_missing + 1
+        else
+            if queued and self.own_missing > 0 then
+                report_gap(self, self.worker, self.pid, self.own_missing)
+                self.own_missing = 0
+            end
+            inbox_push(self, source, event, data, self.worker, at, self.pid)
+        end
     end
-    return source, event, data, wid, latency, pid
 end
 
 
@@ -420,7 +434,7 @@ end
 
 -- runs the handlers of the next event in the inbox; false when empty
 local function dispatch_next(self)
-    local source, event, data, wid, latency, pid = inbox_pop(self)
+    local source, event, data, wid, latency, pid = self.inbox:pop()
     if not source then
         return false
     end
@@ -486,17 +500,7 @@ local function accept_seq(self, e, seq)
         local prev = book[inc]
         book[inc] = stream
         if prev and stream > prev + 1 then
-            local missing = stream - prev - 1
-            self.counters.gaps = self.counters.gaps + missing
-            warn_once(self, "gap", "gap: ", missing, " event(s) from worker ",
-                      e.publisher, " (pid ", pid, ") missing; ",
-                      self.counters.gaps, " so far")
-            for _, hook in ipairs(self.gap_hooks) do
-                local ok, err = xpcall(hook, traceback, e.publisher, missing)
-                if not ok then
-                    log(ERR, "gap hook failed: ", err)
-                end
-            end
+            report_gap(self, e.publisher, pid, stream - prev - 1)
         end
     end
     return true
@@ -685,7 +689,7 @@ local function writer(self, sock, link)
             -- whole events, up to WRITE_MAX bytes per write; they stay in
             -- unacked until the broker acknowledges them
             local uq, aq = self.unsent_q, self.unacked_q
-            local take = 0
+            local take, last = 0, nil
             while true do
                 local s, b = uq:peek()
                 if not s or (take > 0 and take + b > WRITE_MAX) then
@@ -694,7 +698,11 @@ local function writer(self, sock, link)
                 uq:pop()
                 aq:push(s, b)
                 take = take + b
+                last = s
             end
+            -- our own copies of what leaves now (all of ours once nothing
+            -- is left to send)
+            deliver_own(self, uq:len() > 0 and last or nil)
             local data = self.unsent:get(take)
             self.unacked:put(data)
             if not send(sock, link, data) then
@@ -972,6 +980,7 @@ local function make_room(self, bytes)
             if not s then
                 break
             end
+            deliver_own(self, s, true)
             self.unsent:skip(b)
             self.pending = self.pending - 1
             self.pending_bytes = self.pending_bytes - b
@@ -1066,6 +1075,19 @@ function _M.publish(self, target, source, event, data)
         count(self.counters.dropped, "payload too large")
         return nil, "payload too large"
     end
+    if kind == self.worker then
+        -- to ourselves: a copy for our handlers, no round trip; after
+        -- whatever of ours is still queued
+        local data_copy = frame.copy_data()
+        if #self.unsent == 0 then
+            inbox_push(self, source, event, data_copy, kind, mono(),
+                       self.pid)
+        else
+            self.own:push(self.seq, source, event, data_copy, mono(), false)
+        end
+        count(stats, kind == AGENT and "agent" or "worker")
+        return true
+    end
     local room, waited = make_room(self, size + EVENT_SIZE + 64)
     if not room then
         return nil, "queue full"
@@ -1089,8 +1111,9 @@ function _M.publish(self, target, source, event, data)
         self.direct_seq[kind] = stream
     end
 
+    local now = mono()
     local bytes = frame.put_event(self.unsent, seq, kind, self.worker,
-                                  self.pid, self.incarnation, stream, mono(),
+                                  self.pid, self.incarnation, stream, now,
                                   key)
     self.unsent_q:push(seq, bytes)
     self.pending = self.pending + 1
@@ -1100,6 +1123,11 @@ function _M.publish(self, target, source, event, data)
         self.wsema:post(1)
     end
 
+    if kind == ALL then
+        -- our own copy, handed over when the writer takes the event: the
+        -- broker sends "all" to the other workers only
+        self.own:push(seq, source, event, frame.copy_data(), now, true)
+    end
     count(stats, kind == ALL and "all" or kind == OTHERS and "others"
                  or kind == UNIQUE and "unique" or kind == AGENT and "agent"
                  or "worker")

@@ -358,7 +358,8 @@ local function forward(bus, b, c, seq, p, len)
     b.stats.forwarded = b.stats.forwarded + 1
 
     if target == ALL or target == OTHERS then
-        local skip = target == OTHERS and c.wid or nil
+        -- (a publisher hands its own copy of "all" to its handlers)
+        local skip = c.wid
         for wid = bus.opts.privileged_agent and AGENT or 0, nworkers - 1 do
             if wid ~= skip then
                 enqueue(bus, b, queue(b, wid), seq, bidx, p, len)

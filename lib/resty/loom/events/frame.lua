@@ -349,4 +349,13 @@ function _M.decode_body(p, len)
 end
 
 
+-- A copy of the data of the body encode_body() just produced: what a
+-- worker that publishes to itself hands its own handlers.
+function _M.copy_data()
+    local p, len = body:ref()
+    local _, _, data = _M.decode_body(p, len)
+    return data
+end
+
+
 return _M
