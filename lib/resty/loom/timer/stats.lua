@@ -7,6 +7,10 @@ local ffi = require "ffi"
 
 local ffi_new = ffi.new
 local floor = math.floor
+local min = math.min
+local max = math.max
+local huge = math.huge
+local tobit = require("bit").tobit
 local log = math.log
 local pairs = pairs
 local ipairs = ipairs
@@ -41,18 +45,19 @@ end
 -- the buckets of whole microseconds under 65,536 (64 KB), which are most
 -- values: a table read instead of a logarithm on every run
 local LUT_N = 65536
+local LUT_LAST = LUT_N - 1
 local LUT = ffi_new("uint8_t[?]", LUT_N)
 for us = 0, LUT_N - 1 do
     LUT[us] = bucket_of(us)
 end
 
 
+-- one branch, almost always taken the same way: a trace recorded on the
+-- rare side would leave the common one through a side exit on every run
 local function bucket(us)
-    if us < LUT_N then
-        local f = floor(us)
-        if f == us and f >= 0 then
-            return LUT[f]
-        end
+    local i = tobit(min(max(us, 0), LUT_LAST))
+    if i == us then
+        return LUT[i]
     end
     return bucket_of(us)
 end
@@ -72,7 +77,7 @@ function _M.new_record(kind, key)
         skipped = 0,
         premature = 0,
         rt_sum = 0,
-        rt_min = -1,
+        rt_min = huge,            -- -1 in raw() while there is no run
         rt_max = 0,
         late_max = 0,
         qw_max = 0,
@@ -84,30 +89,24 @@ function _M.new_record(kind, key)
 end
 
 
--- all values in microseconds
+-- all values in microseconds; late < 0: none (premature runs). Minima and
+-- maxima use min()/max() rather than branches, which keeps the compiled
+-- run loop on one path
 function _M.record(rec, rt, late, qw)
     rec.runs = rec.runs + 1
     rec.rt_sum = rec.rt_sum + rt
-    if rt > rec.rt_max then
-        rec.rt_max = rt
-    end
-    if rec.rt_min < 0 or rt < rec.rt_min then
-        rec.rt_min = rt
-    end
+    rec.rt_max = max(rec.rt_max, rt)
+    rec.rt_min = min(rec.rt_min, rt)
     local h = rec.rt
     local i = bucket(rt)
     h[i] = h[i] + 1
     if late >= 0 then
-        if late > rec.late_max then
-            rec.late_max = late
-        end
+        rec.late_max = max(rec.late_max, late)
         h = rec.late
         i = bucket(late)
         h[i] = h[i] + 1
     end
-    if qw > rec.qw_max then
-        rec.qw_max = qw
-    end
+    rec.qw_max = max(rec.qw_max, qw)
     h = rec.qw
     i = bucket(qw)
     h[i] = h[i] + 1
@@ -184,7 +183,8 @@ function _M.raw(rec)
         running = rec.running, runs = rec.runs, errors = rec.errors,
         overruns = rec.overruns, skipped = rec.skipped,
         premature = rec.premature, rt_sum = rec.rt_sum,
-        rt_min = rec.rt_min, rt_max = rec.rt_max,
+        rt_min = rec.rt_min == huge and -1 or rec.rt_min,
+        rt_max = rec.rt_max,
         late_max = rec.late_max, qw_max = rec.qw_max,
         last_error = rec.last_error,
         rt = strkeys(sparse_copy(rec.rt)),
