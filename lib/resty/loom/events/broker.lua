@@ -94,6 +94,7 @@ local function state(bus)
             slow_waits = 0,
         },
         last_warn = 0,
+        slow_timeout = bus.opts.slow_timeout,
     }
     bus.broker_state = b
     return b
@@ -151,11 +152,16 @@ end
 
 
 -- Events older than the returned index have been written to every live
--- target's socket.
-local function watermark(b)
+-- target's socket, except a target that has been too slow: one whose
+-- events are being dropped, or whose write has waited slow_timeout. It
+-- holds nobody's acknowledgements back (what is queued for it is then
+-- lost to it if the broker crashes as well).
+local function watermark(b, slow)
     local low = b.next_bidx
+    local now = ngx_now()
     for _, q in pairs(b.queues) do
-        if q.conn then
+        if q.conn and not q.overflowing
+           and not (q.send_since and now - q.send_since >= slow) then
             local i = q.inflight_bidx or q.first_bidx
             if i and i < low then
                 low = i
@@ -167,7 +173,7 @@ end
 
 
 local function send_acks(b)
-    local low = watermark(b)
+    local low = watermark(b, b.slow_timeout)
     for _, q in pairs(b.queues) do
         local c = q.conn
         if c and c.ackq:len() > 0 then
@@ -207,6 +213,7 @@ local function restore(q, c)
         q.first_bidx = bidx
     end
     q.inflight_bidx = nil
+    q.send_since = nil
 end
 
 
@@ -242,6 +249,7 @@ local function writer(b, q, c)
             local events = q.n
             q.n = 0
             c.inflight_n, c.inflight_bidx = events, bidx
+            q.send_since = ngx_now()
             local left = #q.buf
             while left > 0 do
                 local data = q.buf:get(frame.whole_frames(q.buf,
@@ -258,6 +266,7 @@ local function writer(b, q, c)
             end
             c.inflight = nil
             q.inflight_bidx = nil
+            q.send_since = nil
             if events > 0 then
                 q.overflowing = false
                 local waiting = -q.space_sema:count()
@@ -662,6 +671,7 @@ function _M.serve(bus)
     if q.conn == c then
         q.conn = nil
         q.inflight_bidx = nil
+        q.send_since = nil
     end
     b.stats.connections = b.stats.connections - 1
     send_acks(b)
