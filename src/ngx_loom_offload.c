@@ -12,8 +12,13 @@
  *   - Runtime threads take tasks with host->wait() (a mutex and condition
  *     variable, with a short spin first so that a busy runtime thread
  *     picks the next task up without a futex wake-up) and answer from any
- *     thread with host->answer(), which puts the task on the worker's
- *     completion list and writes the worker's eventfd once per batch.
+ *     thread with host->answer(), which pushes the task on the worker's
+ *     lock-free completion list and writes the worker's eventfd only when
+ *     that list was empty.
+ *   - Sleeping runtime threads are woken once per event loop iteration
+ *     (a posted event), not once per task, and only as many as the
+ *     backlog needs given how long tasks take: a fast runtime's tasks are
+ *     left to the threads already awake.
  *   - The eventfd sits in the nginx event loop on a connection of its
  *     own; its read handler drains the completion list and posts the
  *     semaphores on the main thread. The connection is marked idle, so
@@ -77,6 +82,17 @@
 #define LOOM_MIN_INLINE_RSP          256
 #define LOOM_ERR_LEN                 512
 
+/*
+ * roughly what waking a sleeping runtime thread costs (a futex call on
+ * each side, often a wake-up on the other CPU): tasks the awake threads
+ * will take within this time are left to them, and a thread busy for
+ * longer than this gets help
+ */
+#define LOOM_WAKE_NS                 50000
+
+/* how soon tasks left to busy threads are looked at again (ms) */
+#define LOOM_WAKE_CHECK_MS           1
+
 
 typedef int (*ngx_loom_sema_new_pt)(void **psem, int n, char **errmsg);
 typedef int (*ngx_loom_sema_post_pt)(void *sem, int n);
@@ -116,6 +132,7 @@ struct loom_offload_task_s {
     unsigned                     in_request:1;
     unsigned                     control:1;
     unsigned                     garbage:1;
+    unsigned                     kick:1;       /* needs a sleeper woken */
 
     size_t                       req_len;
     size_t                       cap;
@@ -132,6 +149,9 @@ struct loom_offload_queue_s {
     ngx_uint_t                   spinners;
     ngx_uint_t                   sleepers;
     ngx_uint_t                   waking;       /* signalled, not yet up */
+    ngx_uint_t                   busy;         /* took a task, not back */
+    uint64_t                     svc_ns;       /* take -> back, average */
+    uint64_t                     progress_ns;  /* last take or return */
     ngx_uint_t                   closed;       /* atomic reads */
     ngx_uint_t                   bound;
     uint64_t                     spin_ns;
@@ -154,6 +174,8 @@ struct loom_offload_queue_s {
     ngx_msec_t                   grace;
     int                          global;
     ngx_event_t                  grace_ev;
+    ngx_event_t                  kick_ev;      /* posted: wake sleepers */
+    ngx_event_t                  wake_ev;      /* timer: the same, later */
 
     /* written by the start-up thread before it publishes "control" */
     void                        *dl;
@@ -211,9 +233,8 @@ typedef struct {
 
 
 typedef struct {
-    pthread_mutex_t              lock;
-    loom_offload_task_t         *done;
-    ngx_uint_t                   notified;
+    pthread_mutex_t              lock;         /* fd against exit */
+    loom_offload_task_t         *done;         /* atomic, newest first */
     int                          fd;
 
     /* main thread */
@@ -236,6 +257,11 @@ static ngx_int_t ngx_loom_offload_worker_init(u_char *err, size_t *errlen);
 static void ngx_loom_offload_read_handler(ngx_event_t *rev);
 static void ngx_loom_offload_gc_handler(ngx_event_t *ev);
 static void ngx_loom_offload_grace_handler(ngx_event_t *ev);
+static void ngx_loom_offload_kick_handler(ngx_event_t *ev);
+static ngx_uint_t ngx_loom_offload_may_poll(loom_offload_queue_t *q);
+static ngx_uint_t ngx_loom_offload_wakes(loom_offload_queue_t *q,
+    uint64_t now);
+static void ngx_loom_offload_back(loom_offload_queue_t *q, uint64_t now);
 static void ngx_loom_offload_exiting(ngx_uint_t now);
 static void ngx_loom_offload_close(loom_offload_queue_t *q);
 static void ngx_loom_offload_done(loom_offload_task_t *t);
@@ -322,7 +348,7 @@ static const loom_offload_host_t  ngx_loom_offload_host = {
 
 
 static ngx_loom_offload_worker_t  ngx_loom_offload_w = {
-    PTHREAD_MUTEX_INITIALIZER, NULL, 0, -1,
+    PTHREAD_MUTEX_INITIALIZER, NULL, -1,
     0, 0, 0, 0, NULL, { NULL, NULL }, NULL,
     { 0 }, NULL, NULL, NULL
 };
@@ -343,6 +369,16 @@ static pthread_cond_t   ngx_loom_offload_exit_cond = PTHREAD_COND_INITIALIZER;
 #define ngx_loom_store(p, v)  __atomic_store_n(p, v, __ATOMIC_RELEASE)
 
 
+/*
+ * the queue a runtime thread took its last task from, and when: the
+ * thread is "busy" until it calls wait() again (how long that takes is
+ * the queue's service time, which decides whether a new task is left to
+ * it or a sleeping thread is woken)
+ */
+static __thread loom_offload_queue_t  *ngx_loom_offload_tls_q;
+static __thread uint64_t               ngx_loom_offload_tls_ns;
+
+
 static uint64_t
 ngx_loom_offload_now_ns(void)
 {
@@ -360,17 +396,37 @@ static int
 ngx_loom_offload_wait(loom_offload_queue_t *q, int timeout_ms,
     loom_offload_task_t **task)
 {
-    int                   rc, slept;
-    uint64_t              deadline, now, spin;
-    ngx_uint_t            n;
-    ngx_queue_t          *x;
-    struct timespec       ts;
-    loom_offload_task_t  *t;
+    int                    rc, slept;
+    uint64_t               deadline, now, spin;
+    ngx_uint_t             n;
+    ngx_queue_t           *x;
+    struct timespec        ts;
+    loom_offload_task_t   *t;
+    loom_offload_queue_t  *prev;
 
     *task = NULL;
     slept = 0;
 
+    prev = ngx_loom_offload_tls_q;
+    now = 0;
+
+    if (prev) {
+        /* back from the task taken last: this thread is not busy now */
+        ngx_loom_offload_tls_q = NULL;
+        now = ngx_loom_offload_now_ns();
+
+        if (prev != q) {
+            pthread_mutex_lock(&prev->mtx);
+            ngx_loom_offload_back(prev, now);
+            pthread_mutex_unlock(&prev->mtx);
+        }
+    }
+
     pthread_mutex_lock(&q->mtx);
+
+    if (prev == q) {
+        ngx_loom_offload_back(q, now);
+    }
 
     spin = q->spin_cur_ns;
 
@@ -486,11 +542,77 @@ ngx_loom_offload_wait(loom_offload_queue_t *q, int timeout_ms,
     ngx_loom_store(&q->npending, q->npending - 1);
     ngx_loom_store(&q->taken, q->taken + 1);
 
+    now = ngx_loom_offload_now_ns();
+
+    q->busy++;
+    q->progress_ns = now;
+
     pthread_mutex_unlock(&q->mtx);
+
+    ngx_loom_offload_tls_q = q;
+    ngx_loom_offload_tls_ns = now;
 
     *task = t;
 
     return LOOM_OFFLOAD_TASK;
+}
+
+
+/* a runtime thread came back from a task (under the queue mutex) */
+static void
+ngx_loom_offload_back(loom_offload_queue_t *q, uint64_t now)
+{
+    uint64_t  d;
+
+    if (q->busy) {
+        q->busy--;
+    }
+
+    d = now > ngx_loom_offload_tls_ns ? now - ngx_loom_offload_tls_ns : 0;
+
+    q->svc_ns = q->svc_ns - q->svc_ns / 8 + d / 8;
+    q->progress_ns = now;
+}
+
+
+/*
+ * How many sleeping threads to wake for the tasks queued (under the
+ * queue mutex). Waking costs a futex call on each side and often a
+ * wake-up on the other CPU, so tasks the awake threads will soon be back
+ * for (a fast runtime, a short backlog) are left to them: enough threads
+ * are woken to take the queue within about one wake-up's time, judged by
+ * the average service time. A thread busy for longer than that (a slow
+ * or stuck task) gets help.
+ */
+static ngx_uint_t
+ngx_loom_offload_wakes(loom_offload_queue_t *q, uint64_t now)
+{
+    ngx_uint_t  n, gap, idle, awake, want;
+
+    if (q->closed
+        || q->sleepers <= q->waking
+        || q->npending <= q->spinners + q->waking)
+    {
+        return 0;
+    }
+
+    gap = q->npending - q->spinners - q->waking;
+    idle = q->sleepers - q->waking;
+    awake = q->busy + q->spinners + q->waking;
+
+    want = (ngx_uint_t) ((q->svc_ns * q->npending) / LOOM_WAKE_NS) + 1;
+
+    n = want > awake ? want - awake : 0;
+
+    if (n == 0 && q->busy
+        && now > q->progress_ns && now - q->progress_ns > LOOM_WAKE_NS)
+    {
+        n = 1;
+    }
+
+    n = ngx_min(n, gap);
+
+    return ngx_min(n, idle);
 }
 
 
@@ -607,22 +729,38 @@ static void
 ngx_loom_offload_publish(loom_offload_task_t *t)
 {
     uint64_t                    one;
+    loom_offload_task_t        *head;
     ngx_loom_offload_worker_t  *w;
 
     w = &ngx_loom_offload_w;
 
+    /* a lock-free push; the event loop takes the whole list at once */
+
+    head = __atomic_load_n(&w->done, __ATOMIC_RELAXED);
+
+    do {
+        t->next = head;
+    } while (!__atomic_compare_exchange_n(&w->done, &head, t, 1,
+                                          __ATOMIC_RELEASE,
+                                          __ATOMIC_RELAXED));
+
+    if (head != NULL) {
+        /* not the first since the event loop took the list: signalled */
+        return;
+    }
+
     pthread_mutex_lock(&w->lock);
 
-    t->next = w->done;
-    w->done = t;
-
-    if (!w->notified && w->fd != -1) {
-        w->notified = 1;
+    if (w->fd != -1) {
         one = 1;
 
-        /* under the lock: exit_process closes fd under it too */
+        /*
+         * under the lock: exit_process closes fd under it too. An
+         * eventfd write fails only when its counter would overflow,
+         * which reads every 65536 wake-ups at most rule out
+         */
         if (write(w->fd, &one, sizeof(uint64_t)) != sizeof(uint64_t)) {
-            w->notified = 0;
+            /* void */
         }
     }
 
@@ -755,11 +893,8 @@ ngx_loom_offload_read_handler(ngx_event_t *rev)
                       "[loom.offload] eventfd read() failed");
     }
 
-    pthread_mutex_lock(&w->lock);
-    list = w->done;
-    w->done = NULL;
-    w->notified = 0;
-    pthread_mutex_unlock(&w->lock);
+    /* the next answer published after this writes the eventfd again */
+    list = __atomic_exchange_n(&w->done, NULL, __ATOMIC_ACQUIRE);
 
     /* the list is newest first: reverse it */
     t = NULL;
@@ -1132,6 +1267,14 @@ ngx_loom_offload_close(loom_offload_queue_t *q)
         ngx_del_timer(&q->grace_ev);
     }
 
+    if (q->wake_ev.timer_set) {
+        ngx_del_timer(&q->wake_ev);
+    }
+
+    if (q->kick_ev.posted) {
+        ngx_delete_posted_event(&q->kick_ev);
+    }
+
     pthread_mutex_lock(&q->mtx);
 
     if (q->closed) {
@@ -1191,6 +1334,42 @@ ngx_loom_offload_grace_handler(ngx_event_t *ev)
                   "[loom.offload] %s: grace period over, closing", q->path);
 
     ngx_loom_offload_close(q);
+}
+
+
+/*
+ * Wakes sleeping threads for queued tasks (a posted event at the end of
+ * the event loop iteration that queued them, and a timer while tasks are
+ * left to busy threads, in case those are not back as soon as expected)
+ */
+static void
+ngx_loom_offload_kick_handler(ngx_event_t *ev)
+{
+    uint64_t               now;
+    ngx_uint_t             n, left;
+    loom_offload_queue_t  *q;
+
+    q = ev->data;
+    now = ngx_loom_offload_now_ns();
+
+    pthread_mutex_lock(&q->mtx);
+
+    n = ngx_loom_offload_wakes(q, now);
+    q->waking += n;
+
+    while (n--) {
+        pthread_cond_signal(&q->cond);
+    }
+
+    left = !q->closed
+           && q->sleepers > q->waking
+           && q->npending > q->spinners + q->waking;
+
+    pthread_mutex_unlock(&q->mtx);
+
+    if (left && !q->wake_ev.timer_set) {
+        ngx_add_timer(&q->wake_ev, LOOM_WAKE_CHECK_MS);
+    }
 }
 
 
@@ -1420,6 +1599,7 @@ ngx_loom_offload_ffi_load(const char *path, const char *config,
 {
     size_t                      len;
     pthread_condattr_t          attr;
+    pthread_mutexattr_t         mattr;
     loom_offload_queue_t       *q;
     ngx_loom_offload_worker_t  *w;
 
@@ -1460,9 +1640,24 @@ ngx_loom_offload_ffi_load(const char *path, const char *config,
     q->config[config_len] = '\0';
     q->config_len = config_len;
 
-    if (pthread_mutex_init(&q->mtx, NULL) != 0
-        || pthread_condattr_init(&attr) != 0)
-    {
+    /*
+     * critical sections are a few dozen instructions: under contention
+     * spin briefly (adaptive) rather than sleep in the kernel at once
+     */
+    if (pthread_mutexattr_init(&mattr) != 0) {
+        goto failed;
+    }
+
+    (void) pthread_mutexattr_settype(&mattr, PTHREAD_MUTEX_ADAPTIVE_NP);
+
+    if (pthread_mutex_init(&q->mtx, &mattr) != 0) {
+        pthread_mutexattr_destroy(&mattr);
+        goto failed;
+    }
+
+    pthread_mutexattr_destroy(&mattr);
+
+    if (pthread_condattr_init(&attr) != 0) {
         goto failed;
     }
 
@@ -1494,6 +1689,15 @@ ngx_loom_offload_ffi_load(const char *path, const char *config,
     q->grace_ev.log = ngx_cycle->log;
     q->grace_ev.data = q;
     q->grace_ev.cancelable = 1;
+
+    q->kick_ev.handler = ngx_loom_offload_kick_handler;
+    q->kick_ev.log = ngx_cycle->log;
+    q->kick_ev.data = q;
+
+    q->wake_ev.handler = ngx_loom_offload_kick_handler;
+    q->wake_ev.log = ngx_cycle->log;
+    q->wake_ev.data = q;
+    q->wake_ev.cancelable = 1;
 
     if (ngx_loom_offload_spawn(ngx_loom_offload_start_thread, q) != 0) {
         *errlen = ngx_snprintf(err, *errlen,
@@ -1542,6 +1746,7 @@ ngx_loom_offload_ffi_submit(ngx_http_request_t *r, loom_offload_queue_t *q,
 {
     char                     *errmsg;
     size_t                    cap;
+    uint64_t                  now;
     ngx_http_cleanup_t       *cln;
     loom_offload_task_t      *t;
     ngx_loom_offload_rctx_t  *rctx;
@@ -1599,10 +1804,12 @@ ngx_loom_offload_ffi_submit(ngx_http_request_t *r, loom_offload_queue_t *q,
     }
 
     t->data[len] = '\0';
+    now = ngx_loom_offload_now_ns();
+
     t->req_len = len;
     t->cap = cap;
     t->queue = q;
-    t->start_us = ngx_loom_offload_now_ns() / 1000;
+    t->start_us = now / 1000;
     t->lua = 1;
     t->rt = 1;
     t->in_request = 1;
@@ -1618,16 +1825,32 @@ ngx_loom_offload_ffi_submit(ngx_http_request_t *r, loom_offload_queue_t *q,
 
     /*
      * a spinning thread will see the task, and so will threads already
-     * signalled: wake a sleeper only for tasks nobody is coming for
+     * signalled. For tasks nobody is coming for, sleepers are woken once
+     * per event loop iteration (a posted event), not once per task: the
+     * calls a batch of events makes cost one wake-up, and the mutex is
+     * not fought over while they are queued
      */
     if (q->sleepers > q->waking
         && q->npending > q->spinners + q->waking)
     {
-        q->waking++;
-        pthread_cond_signal(&q->cond);
+        if (ngx_loom_offload_may_poll(q)) {
+            /*
+             * an idle runtime, fast lately: the event loop is about to
+             * poll for the answer, so the thread is needed now
+             */
+            q->waking++;
+            pthread_cond_signal(&q->cond);
+
+        } else {
+            t->kick = 1;
+        }
     }
 
     pthread_mutex_unlock(&q->mtx);
+
+    if (t->kick && !q->kick_ev.posted) {
+        ngx_post_event(&q->kick_ev, &ngx_posted_events);
+    }
 
     q->submitted++;
 
@@ -1639,6 +1862,21 @@ ngx_loom_offload_ffi_submit(ngx_http_request_t *r, loom_offload_queue_t *q,
     *sem = t->sem;
 
     return LOOM_FFI_OK;
+}
+
+
+/*
+ * The runtime is idle but for the task just queued, and its recent round
+ * trips were shorter than poll_us (main thread)
+ */
+static ngx_uint_t
+ngx_loom_offload_may_poll(loom_offload_queue_t *q)
+{
+    return q->poll_ns
+           && q->ewma_ns < q->poll_ns
+           && q->state == LOOM_OFFLOAD_READY
+           && ngx_loom_load(&q->npending) <= 1
+           && ngx_loom_load(&q->taken) == q->answered;
 }
 
 
@@ -1661,12 +1899,7 @@ ngx_loom_offload_ffi_poll(loom_offload_task_t *t)
 
     q = t->queue;
 
-    if (q->poll_ns == 0
-        || q->ewma_ns >= q->poll_ns
-        || q->state != LOOM_OFFLOAD_READY
-        || ngx_loom_load(&q->npending) > 1
-        || ngx_loom_load(&q->taken) != q->answered)
-    {
+    if (t->kick || !ngx_loom_offload_may_poll(q)) {
         return 0;
     }
 
