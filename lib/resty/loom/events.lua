@@ -262,12 +262,13 @@ function _M.new(opts)
 
         -- receiving
         inbox = ring.new(),         -- events for the handlers
-        -- this worker's own events to itself, delivered in publish order
-        -- as the writer takes what was published before them (seq,
-        -- source, event, data, published_at, queued: a copy of an event
-        -- that is also queued for the broker)
+        -- our events to our own worker id, delivered when the writer
+        -- has taken what was published before them (seq of the event
+        -- before, source, event, data, published_at)
         own = ring.new(),
-        own_missing = 0,            -- our own copies dropped (drop_oldest)
+        own_seen = 0,               -- last seq taken by the writer
+        own_all = 0,                -- last "all" stream seq handed over
+        own_partial = nil,          -- a chunked event being reassembled
         isema = semaphore.new(),
         handler_idle = false,       -- the handler loop waits on isema
         rspace = semaphore.new(),
@@ -351,28 +352,78 @@ local function report_gap(self, publisher, pid, missing)
 end
 
 
--- hands the handlers our own events up to the queued event seq (all of
--- them when seq is nil); drops our copy of event seq itself when drop is
--- set (drop_oldest dropped it)
-local function deliver_own(self, seq, drop)
+-- hands the handlers our events to our own worker id published after
+-- the event seq (all of them when seq is nil)
+local function deliver_own(self, seq)
     local own = self.own
     while true do
         local s = own:peek()
         if not s or (seq and s > seq) then
             return
         end
-        local _, source, event, data, at, queued = own:pop()
-        if drop and queued and s == seq then
-            -- our handlers miss it like everyone else's: a gap, reported
-            -- with the next of our events they get
-            self.own_missing = self.own_missing + 1
-        else
-            if queued and self.own_missing > 0 then
-                report_gap(self, self.worker, self.pid, self.own_missing)
-                self.own_missing = 0
+        local _, source, event, data, at = own:pop()
+        inbox_push(self, source, event, data, self.worker, at, self.pid)
+    end
+end
+
+
+-- our own copy of an "all" event the writer took (p, len: its payload)
+local function own_copy(self, p, len)
+    local e = frame.check_event(p, len)
+    if not e or e.target ~= ALL then
+        return
+    end
+    local stream = e.stream_seq
+    if stream > self.own_all + 1 and self.own_all > 0 then
+        -- dropped by drop_oldest: our handlers miss them like the others
+        report_gap(self, self.worker, self.pid, stream - self.own_all - 1)
+    end
+    self.own_all = stream
+    local ok, source, event, data = pcall(frame.decode_body,
+                                          p + EVENT_SIZE + e.key_len,
+                                          e.body_len)
+    if ok then
+        inbox_push(self, source, event, data, self.worker, e.published_at,
+                   self.pid)
+    end
+end
+
+
+-- The writer took data (whole frames) for the broker, which sends "all"
+-- to the other workers only: our handlers get our copies now, in publish
+-- order with our events to ourselves. Frames taken before (re-sent after
+-- a reconnect) are skipped.
+local function take_own(self, data, everything)
+    local p, n = frame.ptr(data)
+    local off = 0
+    while off < n do
+        local h, pp, size = frame.at(p + off)
+        local seq = frame_seq(h)
+        if seq > self.own_seen then
+            local plen = h.len
+            local partial = self.own_partial
+            if h.flags == FLAG_MORE then
+                partial = partial or buf_new(2 * frame.CHUNK)
+                self.own_partial = partial
+                partial:putcdata(pp, plen)
+            else
+                if partial then
+                    partial:putcdata(pp, plen)
+                    pp, plen = partial:ref()
+                end
+                own_copy(self, pp, plen)
+                if partial then
+                    partial:free()
+                    self.own_partial = nil
+                end
+                self.own_seen = seq
+                deliver_own(self, seq)
             end
-            inbox_push(self, source, event, data, self.worker, at, self.pid)
         end
+        off = off + size
+    end
+    if everything then
+        deliver_own(self, nil)
     end
 end
 
@@ -689,7 +740,7 @@ local function writer(self, sock, link)
             -- whole events, up to WRITE_MAX bytes per write; they stay in
             -- unacked until the broker acknowledges them
             local uq, aq = self.unsent_q, self.unacked_q
-            local take, last = 0, nil
+            local take = 0
             while true do
                 local s, b = uq:peek()
                 if not s or (take > 0 and take + b > WRITE_MAX) then
@@ -698,13 +749,10 @@ local function writer(self, sock, link)
                 uq:pop()
                 aq:push(s, b)
                 take = take + b
-                last = s
             end
-            -- our own copies of what leaves now (all of ours once nothing
-            -- is left to send)
-            deliver_own(self, uq:len() > 0 and last or nil)
             local data = self.unsent:get(take)
             self.unacked:put(data)
+            take_own(self, data, uq:len() == 0)
             if not send(sock, link, data) then
                 return nil, link.error
             end
@@ -980,7 +1028,6 @@ local function make_room(self, bytes)
             if not s then
                 break
             end
-            deliver_own(self, s, true)
             self.unsent:skip(b)
             self.pending = self.pending - 1
             self.pending_bytes = self.pending_bytes - b
@@ -1083,7 +1130,7 @@ function _M.publish(self, target, source, event, data)
             inbox_push(self, source, event, data_copy, kind, mono(),
                        self.pid)
         else
-            self.own:push(self.seq, source, event, data_copy, mono(), false)
+            self.own:push(self.seq, source, event, data_copy, mono())
         end
         count(stats, kind == AGENT and "agent" or "worker")
         return true
@@ -1123,11 +1170,6 @@ function _M.publish(self, target, source, event, data)
         self.wsema:post(1)
     end
 
-    if kind == ALL then
-        -- our own copy, handed over when the writer takes the event: the
-        -- broker sends "all" to the other workers only
-        self.own:push(seq, source, event, frame.copy_data(), now, true)
-    end
     count(stats, kind == ALL and "all" or kind == OTHERS and "others"
                  or kind == UNIQUE and "unique" or kind == AGENT and "agent"
                  or "worker")

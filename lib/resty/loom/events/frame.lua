@@ -297,6 +297,20 @@ function _M.whole_frames(buf, max)
 end
 
 
+-- A pointer to a string's bytes, and its length (valid while the string
+-- is referenced).
+function _M.ptr(str)
+    return ffi_cast("const uint8_t *", str), #str
+end
+
+
+-- The frame at p (built here, so trusted): header, payload, size.
+function _M.at(p)
+    local h = ffi_cast(FRAME_PTR, p)
+    return h, p + FRAME_SIZE, FRAME_SIZE + h.len + TRAILER_SIZE
+end
+
+
 function _M.seq(h)
     return h.seq_hi * 4294967296 + h.seq_lo
 end
