@@ -57,11 +57,12 @@ end
 
 
 -- an array object: { ptr = <ctype pointer>, n = elements, bytes = size }
--- ptr_ct: the pointer ctype ("T *"), vla_ct: the array ctype ("T[?]")
-function _M.new(ptr_ct, vla_ct, size, n)
+-- ptr_ct: the pointer ctype ("T *"), vla_ct: the array ctype ("T[?]"),
+-- size: bytes per element; plain = true: no mapping (tests)
+function _M.new(ptr_ct, vla_ct, size, n, plain)
     local self = { ptr = nil, n = 0, bytes = 0, ptr_ct = ptr_ct,
                    vla_ct = vla_ct, size = size, mapped = false }
-    if USE_MAP then
+    if USE_MAP and not plain then
         local bytes = round_up(n * size)
         local p = C.mmap(nil, bytes, PROT_RW, MAP_PRIVATE_ANON, -1, 0)
         if p ~= MAP_FAILED then
