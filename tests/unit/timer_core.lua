@@ -533,3 +533,46 @@ case("raw statistics merge exactly across workers", function()
           s.run_time.p99)
     eq(s.lateness.count, 20)
 end)
+
+
+case("arrays that move while a callback runs", function()
+    -- a running recurring timer whose callback creates enough timers to
+    -- grow (and move) the job and wheel arrays several times, then cancels
+    -- them: the running job is re-read afterwards and keeps its state
+    local e = env()
+    local runs = 0
+    local made = {}
+    local h
+    h = e.t:every(0.1, function(premature)
+        if premature then
+            return
+        end
+        runs = runs + 1
+        for i = 1, 5000 do
+            made[#made + 1] = e.t:at(1 + i / 1000, function() end)
+        end
+        eq(e.t:state(h), "running", "state while running")
+    end)
+    for _ = 1, 4 do
+        e.step(100000)
+    end
+    eq(runs, 4, "runs")
+    eq(e.t:state(h), "pending", "state after")
+    check(e.t:counts().capacity >= 20001, "arrays grew")
+    for i = 1, #made do
+        check(e.t:cancel(made[i]), "cancel " .. i)
+    end
+    eq(e.t:counts().timers, 1, "only the recurring timer left")
+    eq(e.t:counts().pending, 1, "in the wheel")
+    e.step(100000)
+    eq(runs, 5, "runs on after the moves")
+    local st = e.t:stats()
+    local site
+    for _, s in pairs(st.sites) do
+        if s.runs > 0 then
+            site = s
+        end
+    end
+    eq(site.runs, 5, "site runs")
+    eq(site.pending, 1, "site pending")
+end)
