@@ -42,9 +42,10 @@ local function bucket_of(us)
 end
 
 
--- the buckets of whole microseconds under 65,536 (64 KB), which are most
--- values: a table read instead of a logarithm on every run
-local LUT_N = 65536
+-- the buckets of whole microseconds under 262,144 (256 KB), which are
+-- nearly all values, even of an overloaded worker: a table read instead of
+-- a logarithm on every run
+local LUT_N = 262144
 local LUT_LAST = LUT_N - 1
 local LUT = ffi_new("uint8_t[?]", LUT_N)
 for us = 0, LUT_N - 1 do
