@@ -144,7 +144,11 @@ typedef struct loom_offload_host_s {
      * LOOM_OFFLOAD_TIMEDOUT, or LOOM_OFFLOAD_CLOSED (then *task is NULL and
      * every later call returns LOOM_OFFLOAD_CLOSED at once). Any number of
      * threads may wait on one queue. Returning LOOM_OFFLOAD_TIMEDOUT now
-     * and then lets a thread check its own stop flags.
+     * and then lets a thread check its own stop flags. A thread that took
+     * a task counts as busy until it calls wait() again; the host leaves
+     * new tasks to busy threads expected back soon rather than waking
+     * sleeping ones, so call wait() again from the same thread once it is
+     * free (at once, for a thread that hands tasks to others).
      */
     int                   (*wait)(loom_offload_queue_t *queue,
                                   int timeout_ms,

@@ -111,7 +111,10 @@ struct loom_offload_task_s {
     ngx_queue_t                  rlink;        /* main thread */
     loom_offload_queue_t        *queue;
     void                        *sem;
-    uint64_t                     start_us;
+    uint64_t                     start_ns;
+
+    /* written by the taking thread under the queue mutex */
+    uint64_t                     take_ns;
 
     /* written by the answering thread before it publishes the task */
     u_char                      *rsp;
@@ -133,6 +136,8 @@ struct loom_offload_task_s {
     unsigned                     control:1;
     unsigned                     garbage:1;
     unsigned                     kick:1;       /* needs a sleeper woken */
+    unsigned                     woke:1;       /* woke a sleeper at once */
+    unsigned                     poll:1;       /* the loop may poll */
 
     size_t                       req_len;
     size_t                       cap;
@@ -159,7 +164,9 @@ struct loom_offload_queue_s {
 
     /* main thread */
     uint64_t                     poll_ns;
-    uint64_t                     ewma_ns;      /* recent submit->answer */
+    uint64_t                     ewma_ns;      /* take -> answer */
+    uint64_t                     pick_ns;      /* submit -> take, awake */
+    uint64_t                     wake_ns;      /* submit -> take, woken */
     uint64_t                     polled;
     uint64_t                     polled_hits;
     uint64_t                     peak_queued;
@@ -258,7 +265,10 @@ static void ngx_loom_offload_read_handler(ngx_event_t *rev);
 static void ngx_loom_offload_gc_handler(ngx_event_t *ev);
 static void ngx_loom_offload_grace_handler(ngx_event_t *ev);
 static void ngx_loom_offload_kick_handler(ngx_event_t *ev);
-static ngx_uint_t ngx_loom_offload_may_poll(loom_offload_queue_t *q);
+static ngx_uint_t ngx_loom_offload_may_poll(loom_offload_queue_t *q,
+    uint64_t pick_ns);
+static void ngx_loom_offload_avg(uint64_t *avg, int64_t sample,
+    uint64_t cap);
 static ngx_uint_t ngx_loom_offload_wakes(loom_offload_queue_t *q,
     uint64_t now);
 static void ngx_loom_offload_back(loom_offload_queue_t *q, uint64_t now);
@@ -544,6 +554,7 @@ ngx_loom_offload_wait(loom_offload_queue_t *q, int timeout_ms,
 
     now = ngx_loom_offload_now_ns();
 
+    t->take_ns = now;
     q->busy++;
     q->progress_ns = now;
 
@@ -953,12 +964,17 @@ ngx_loom_offload_done(loom_offload_task_t *t)
     q->answered++;
 
     /*
-     * how long the runtime took to answer, from the submission: what the
-     * event loop would have had to poll for (its own wake-up excluded)
+     * what the event loop would have had to poll for: how long a thread
+     * took to pick the task up (one awake, or one woken) and how long it
+     * took to answer. Samples are capped, so that one preempted thread
+     * does not turn polling off for long
      */
-    if (t->answer_ns > t->start_us * 1000) {
-        q->ewma_ns = q->ewma_ns - q->ewma_ns / 8
-                     + (t->answer_ns - t->start_us * 1000) / 8;
+    if (t->take_ns) {
+        ngx_loom_offload_avg(&q->ewma_ns, t->answer_ns - t->take_ns,
+                             2 * q->poll_ns);
+        ngx_loom_offload_avg((t->kick || t->woke) ? &q->wake_ns
+                                                  : &q->pick_ns,
+                             t->take_ns - t->start_ns, 2 * q->poll_ns);
     }
 
     if (t->lua && !t->resolved) {
@@ -980,6 +996,21 @@ ngx_loom_offload_done(loom_offload_task_t *t)
     if (!t->lua) {
         ngx_loom_offload_task_free(t);
     }
+}
+
+
+static void
+ngx_loom_offload_avg(uint64_t *avg, int64_t sample, uint64_t cap)
+{
+    uint64_t  v;
+
+    v = sample > 0 ? (uint64_t) sample : 0;
+
+    if (v > cap) {
+        v = cap;
+    }
+
+    *avg = *avg - *avg / 8 + v / 8;
 }
 
 
@@ -1010,7 +1041,7 @@ ngx_loom_offload_resolve(loom_offload_task_t *t, int result)
     }
 
     if (result != LOOM_RESULT_CLOSED) {
-        us = (ngx_loom_offload_now_ns() / 1000) - t->start_us;
+        us = (ngx_loom_offload_now_ns() - t->start_ns) / 1000;
 
         q->lat_n++;
         q->lat_sum += us;
@@ -1809,7 +1840,7 @@ ngx_loom_offload_ffi_submit(ngx_http_request_t *r, loom_offload_queue_t *q,
     t->req_len = len;
     t->cap = cap;
     t->queue = q;
-    t->start_us = now / 1000;
+    t->start_ns = now;
     t->lua = 1;
     t->rt = 1;
     t->in_request = 1;
@@ -1833,17 +1864,23 @@ ngx_loom_offload_ffi_submit(ngx_http_request_t *r, loom_offload_queue_t *q,
     if (q->sleepers > q->waking
         && q->npending > q->spinners + q->waking)
     {
-        if (ngx_loom_offload_may_poll(q)) {
+        if (ngx_loom_offload_may_poll(q, q->wake_ns)) {
             /*
              * an idle runtime, fast lately: the event loop is about to
              * poll for the answer, so the thread is needed now
              */
             q->waking++;
+            t->woke = 1;
+            t->poll = 1;
             pthread_cond_signal(&q->cond);
 
         } else {
             t->kick = 1;
         }
+
+    } else {
+        /* decided here: a spinning thread may take the task at once */
+        t->poll = ngx_loom_offload_may_poll(q, q->pick_ns);
     }
 
     pthread_mutex_unlock(&q->mtx);
@@ -1866,27 +1903,29 @@ ngx_loom_offload_ffi_submit(ngx_http_request_t *r, loom_offload_queue_t *q,
 
 
 /*
- * The runtime is idle but for the task just queued, and its recent round
- * trips were shorter than poll_us (main thread)
+ * Under the queue mutex, right after a task was queued: the runtime is
+ * idle but for it, and a thread is expected to pick it up (pick_ns: one
+ * awake, or one woken) and answer within poll_us, going by recent tasks
  */
 static ngx_uint_t
-ngx_loom_offload_may_poll(loom_offload_queue_t *q)
+ngx_loom_offload_may_poll(loom_offload_queue_t *q, uint64_t pick_ns)
 {
     return q->poll_ns
-           && q->ewma_ns < q->poll_ns
+           && q->ewma_ns + pick_ns < q->poll_ns
            && q->state == LOOM_OFFLOAD_READY
-           && ngx_loom_load(&q->npending) <= 1
-           && ngx_loom_load(&q->taken) == q->answered;
+           && q->npending == 1
+           && q->taken == q->answered;
 }
 
 
 /*
- * Right after a submission: when the runtime was idle and its recent
- * round trips were shorter than poll_us, the event loop polls for the
- * answer for up to poll_us instead of going to sleep in epoll_wait() and
- * being woken up by the eventfd from another CPU. Returns 1 when the
- * answer came (the task is resolved; read it with ffi_result), else 0:
- * wait on the semaphore as usual.
+ * Right after a submission: when the runtime was idle and recent tasks
+ * were picked up and answered within poll_us (decided at submission, see
+ * ngx_loom_offload_may_poll), the event loop polls for the answer for up
+ * to poll_us instead of going to sleep in epoll_wait() and being woken up
+ * by the eventfd from another CPU. Returns 1 when the answer came (the
+ * task is resolved; read it with ffi_result), else 0: wait on the
+ * semaphore as usual.
  */
 int
 ngx_loom_offload_ffi_poll(loom_offload_task_t *t)
@@ -1899,7 +1938,7 @@ ngx_loom_offload_ffi_poll(loom_offload_task_t *t)
 
     q = t->queue;
 
-    if (t->kick || !ngx_loom_offload_may_poll(q)) {
+    if (!t->poll) {
         return 0;
     }
 
@@ -1920,11 +1959,10 @@ ngx_loom_offload_ffi_poll(loom_offload_task_t *t)
                                             __ATOMIC_ACQ_REL,
                                             __ATOMIC_ACQUIRE))
             {
-                /* too slow: stop polling until answers come fast again */
-                if (q->ewma_ns < 2 * q->poll_ns) {
-                    q->ewma_ns = 2 * q->poll_ns;
-                }
-
+                /*
+                 * too slow: the answer's times, when it comes, go into
+                 * the averages that decide whether to poll next time
+                 */
                 return 0;
             }
 
