@@ -119,7 +119,7 @@ local DEFAULT_THREADS = 2
 local DEFAULT_QUEUE = 1024
 local DEFAULT_TIMEOUT = 10
 local DEFAULT_GRACE = 5
-local DEFAULT_SPIN_US = 20
+local DEFAULT_SPIN_US = 60
 local DEFAULT_POLL_US = 10
 
 local STATES = { [0] = "starting", "ready", "failed", "closed" }
