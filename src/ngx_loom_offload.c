@@ -93,6 +93,9 @@
 /* how soon tasks left to busy threads are looked at again (ms) */
 #define LOOM_WAKE_CHECK_MS           1
 
+/* at most this many calls skip the poll after polls that missed */
+#define LOOM_POLL_BACKOFF_MAX        256
+
 
 typedef int (*ngx_loom_sema_new_pt)(void **psem, int n, char **errmsg);
 typedef int (*ngx_loom_sema_post_pt)(void *sem, int n);
@@ -167,6 +170,8 @@ struct loom_offload_queue_s {
     uint64_t                     ewma_ns;      /* take -> answer */
     uint64_t                     pick_ns;      /* submit -> take, awake */
     uint64_t                     wake_ns;      /* submit -> take, woken */
+    ngx_uint_t                   poll_skip;    /* calls not to poll for */
+    ngx_uint_t                   poll_backoff;
     uint64_t                     polled;
     uint64_t                     polled_hits;
     uint64_t                     peak_queued;
@@ -669,7 +674,7 @@ ngx_loom_offload_answer(loom_offload_task_t *t, int status,
 
     } else if (len < t->cap) {
         /* the request bytes are not needed any more: reuse their room */
-        if (len) {
+        if (len && data != t->data) {
             memmove(t->data, data, len);
         }
 
@@ -1910,11 +1915,21 @@ ngx_loom_offload_ffi_submit(ngx_http_request_t *r, loom_offload_queue_t *q,
 static ngx_uint_t
 ngx_loom_offload_may_poll(loom_offload_queue_t *q, uint64_t pick_ns)
 {
-    return q->poll_ns
-           && q->ewma_ns + pick_ns < q->poll_ns
-           && q->state == LOOM_OFFLOAD_READY
-           && q->npending == 1
-           && q->taken == q->answered;
+    if (q->poll_ns == 0
+        || q->ewma_ns + pick_ns >= q->poll_ns
+        || q->state != LOOM_OFFLOAD_READY
+        || q->npending != 1
+        || q->taken != q->answered)
+    {
+        return 0;
+    }
+
+    if (q->poll_skip) {
+        q->poll_skip--;
+        return 0;
+    }
+
+    return 1;
 }
 
 
@@ -1961,8 +1976,18 @@ ngx_loom_offload_ffi_poll(loom_offload_task_t *t)
             {
                 /*
                  * too slow: the answer's times, when it comes, go into
-                 * the averages that decide whether to poll next time
+                 * the averages that decide whether to poll next time.
+                 * Polls that keep missing while answers that are not
+                 * polled for come fast mean the poll itself holds the
+                 * CPU the runtime thread needs (a loaded machine): back
+                 * off, doubling the number of calls not polled for
                  */
+                q->poll_backoff = q->poll_backoff
+                                  ? ngx_min(2 * q->poll_backoff,
+                                            LOOM_POLL_BACKOFF_MAX)
+                                  : 1;
+                q->poll_skip = q->poll_backoff;
+
                 return 0;
             }
 
@@ -1973,6 +1998,7 @@ ngx_loom_offload_ffi_poll(loom_offload_task_t *t)
     /* answered in our hands: complete it here, nobody waits on sem */
 
     q->polled_hits++;
+    q->poll_backoff = 0;
 
     sem = t->sem;
     t->sem = NULL;
