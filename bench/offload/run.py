@@ -219,6 +219,13 @@ def main():
 
     side = build(mechs)
     prefix = os.path.join(TMP, "nginx")
+    # an nginx left by an interrupted run would hold the prefix and ports
+    try:
+        with open(os.path.join(prefix, "nginx.pid")) as f:
+            os.kill(int(f.read()), signal.SIGTERM)
+        time.sleep(0.5)
+    except (OSError, ValueError):
+        pass
     shutil.rmtree(prefix, ignore_errors=True)
     os.makedirs(prefix)
     sock = os.path.join(TMP, "echo.sock")
@@ -235,6 +242,9 @@ def main():
     conf_path = os.path.join(prefix, "nginx.conf")
     with open(conf_path, "w") as f:
         f.write(conf)
+
+    # a TERM (e.g. from `timeout`) runs the clean-up below as well
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     sidecar = subprocess.Popen([side, sock])
     started = False
