@@ -66,6 +66,10 @@ local YIELD_BYTES = 65536          -- read between yields to the event loop
 -- bytes per write: LuaJIT allocates strings over 128 KiB with mmap, which
 -- page-faults them in on every write
 local WRITE_MAX = 65536
+-- a frame still missing more than this is read exactly to its end; below
+-- it, the next read takes whatever is there (one call instead of two,
+-- and runs of small frames differ often enough where LuaJIT samples)
+local EXACT_MIN = 1024
 local SLICE = 256                   -- events handled between yields
 local CONNECT_TIMEOUT = 2
 local SEND_TIMEOUT = 30
@@ -394,6 +398,7 @@ end
 -- order with our events to ourselves. Frames taken before (re-sent after
 -- a reconnect) are skipped.
 local function take_own(self, data, everything)
+    local own = self.own
     local p, n = frame.ptr(data)
     local off = 0
     while off < n do
@@ -417,12 +422,16 @@ local function take_own(self, data, everything)
                     self.own_partial = nil
                 end
                 self.own_seen = seq
-                deliver_own(self, seq)
+                if own.n > 0 then
+                    -- (a call with a loop in it would keep this loop from
+                    -- being compiled, so only when there is something)
+                    deliver_own(self, seq)
+                end
             end
         end
         off = off + size
     end
-    if everything then
+    if everything and own.n > 0 then
         deliver_own(self, nil)
     end
 end
@@ -619,7 +628,7 @@ local function reader(self, sock, link)
 
         -- the rest of a frame, or what is there: see frame.lua for why
         local data, err
-        if need > 0 then
+        if need > EXACT_MIN then
             data, err = sock:receive(need)
         else
             data, err = sock:receiveany(READ_SIZE)

@@ -53,6 +53,10 @@ local YIELD_BYTES = 65536          -- read between yields to the event loop
 -- bytes per write: LuaJIT allocates strings over 128 KiB with mmap, which
 -- page-faults them in on every write
 local WRITE_MAX = 65536
+-- a frame still missing more than this is read exactly to its end; below
+-- it, the next read takes whatever is there (one call instead of two,
+-- and runs of small frames differ often enough where LuaJIT samples)
+local EXACT_MIN = 1024
 local HELLO_TIMEOUT = 2            -- seconds to send a valid hello
 local SEND_TIMEOUT = 60            -- seconds a write to a busy worker may take
 local LOG_INTERVAL = 10            -- seconds between repeated warnings
@@ -421,7 +425,7 @@ local function reader(bus, b, c)
     while true do
         -- the rest of a frame, or what is there: see frame.lua
         local data, err
-        if need > 0 then
+        if need > EXACT_MIN then
             data, err = sock:receive(need)
         else
             data, err = sock:receiveany(READ_SIZE)

@@ -14,9 +14,10 @@
 -- fixed per process, the first and the last 8 bytes), so near-identical
 -- strings of one length collide in the string table and interning them
 -- turns quadratic. Frames therefore start and end with bytes no other
--- frame has, and readers ask for exactly the rest of a frame once they
--- have its header (missing()), so what they read starts at a frame's
--- header or ends at its trailer.
+-- frame has, writes are runs of whole frames, and readers ask for exactly
+-- the rest of a frame once they have its header and more than a little is
+-- missing (peek() says how much), so what they read of large frames starts
+-- at a header or ends at a trailer.
 
 
 local ffi = require "ffi"
