@@ -814,6 +814,13 @@ def markdown(data):
 # -- main ------------------------------------------------------------------
 
 def main():
+    if "-h" in sys.argv or "--help" in sys.argv:
+        print(__doc__.strip())
+        return
+    unknown = [a for a in sys.argv[1:] if a not in ("--markdown",
+                                                     "--retarget")]
+    if unknown:
+        sys.exit("unknown argument %r (see --help)" % unknown[0])
     if "--markdown" in sys.argv:
         with open(OUT) as f:
             print(markdown(json.load(f)))

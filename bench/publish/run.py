@@ -343,6 +343,14 @@ def write(runs, notes, date=None):
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] in (["-h"], ["--help"]):
+        print(__doc__.strip())
+        print("\nOptions: --summarise [NOTE ...] recomputes the medians of "
+              "bench/results/publish.json\n(adding the notes); "
+              "anything else is refused.")
+        sys.exit(0)
+    if sys.argv[1:2] not in ([], ["--summarise"]):
+        sys.exit("unknown argument %r (see --help)" % sys.argv[1])
     if sys.argv[1:2] == ["--summarise"]:
         # recompute the medians of bench/results/publish.json
         with open(os.path.join(ROOT, "bench", "results",
