@@ -75,6 +75,18 @@ function _M.init_worker()
 end
 
 
+-- waits (up to 5 s) until the broker has acknowledged all we published
+local function wait_acked(bus)
+    for _ = 1, 500 do
+        local q = bus:stats().queue
+        if q.unsent == 0 and q.unacked == 0 then
+            return
+        end
+        ngx.sleep(0.01)
+    end
+end
+
+
 local function args()
     return ngx.req.get_uri_args()
 end
@@ -97,26 +109,14 @@ function _M.handle()
         if a.settle then
             -- nothing of ours in flight (e.g. the answers to the test's
             -- own collect() calls), so the queue bound is all ours
-            for _ = 1, 500 do
-                local q = bus:stats().queue
-                if q.unsent == 0 and q.unacked == 0 then
-                    break
-                end
-                ngx.sleep(0.01)
-            end
+            wait_acked(bus)
         end
         if a.warm then
             -- one event first, delivered before the rest is published
             assert(bus:publish(target, source, a.event or "e",
                                { n = start - 1 }))
             -- until the broker has acknowledged it
-            for _ = 1, 500 do
-                local q = bus:stats().queue
-                if q.unsent == 0 and q.unacked == 0 then
-                    break
-                end
-                ngx.sleep(0.01)
-            end
+            wait_acked(bus)
         end
         for i = start, start + n - 1 do
             local data = { n = i, blob = pad }

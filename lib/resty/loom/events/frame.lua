@@ -190,12 +190,13 @@ end
 _M.put_chunked = put_chunked
 
 
--- Appends an event (whose body encode_body() just produced) to buf;
--- returns the number of bytes appended.
-local payload = buf_new(4096)
+local payload = buf_new(4096)     -- a chunked event, before its frames
 
-local function fill_event(e, target, publisher, pid, incarnation, stream_seq,
-                          now, key_len, body_len)
+-- the event payload (event header, unique key, the body encode_body()
+-- produced) appended to buf
+local function put_payload(buf, target, publisher, pid, incarnation,
+                           stream_seq, now, key, key_len, bp, body_len)
+    local e = ffi_cast(EVENT_PTR, buf:reserve(EVENT_SIZE))
     e.target = target
     e.publisher = publisher
     e.pid = pid
@@ -205,8 +206,15 @@ local function fill_event(e, target, publisher, pid, incarnation, stream_seq,
     e.published_at = now
     e.key_len = key_len
     e.body_len = body_len
+    buf:commit(EVENT_SIZE)
+    if key_len > 0 then
+        buf:put(key)
+    end
+    buf:putcdata(bp, body_len)
 end
 
+-- Appends an event (whose body encode_body() just produced) to buf;
+-- returns the number of bytes appended.
 function _M.put_event(buf, seq, target, publisher, pid, incarnation,
                       stream_seq, now, key)
     local key_len = key and #key or 0
@@ -216,28 +224,15 @@ function _M.put_event(buf, seq, target, publisher, pid, incarnation,
     if len <= CHUNK then
         -- one frame, written in place: no intermediate copy
         put_header(buf, T_EVENT, 0, len, seq)
-        fill_event(ffi_cast(EVENT_PTR, buf:reserve(EVENT_SIZE)), target,
-                   publisher, pid, incarnation, stream_seq, now, key_len,
-                   body_len)
-        buf:commit(EVENT_SIZE)
-        if key_len > 0 then
-            buf:put(key)
-        end
-        buf:putcdata(bp, body_len)
+        put_payload(buf, target, publisher, pid, incarnation, stream_seq,
+                    now, key, key_len, bp, body_len)
         put_trailer(buf, seq, 0)
         return FRAME_SIZE + len + TRAILER_SIZE
     end
 
     payload:reset()
-    fill_event(ffi_cast(EVENT_PTR, payload:reserve(EVENT_SIZE)), target,
-               publisher, pid, incarnation, stream_seq, now, key_len,
-               body_len)
-    payload:commit(EVENT_SIZE)
-    if key_len > 0 then
-        payload:put(key)
-    end
-    payload:putcdata(bp, body_len)
-
+    put_payload(payload, target, publisher, pid, incarnation, stream_seq,
+                now, key, key_len, bp, body_len)
     local before = #buf
     local p, plen = payload:ref()
     put_chunked(buf, T_EVENT, seq, p, plen)
