@@ -58,6 +58,7 @@ local MAX_VALUE_BYTES = 1024
 local MAX_ORDERING_KEY_BYTES = 1024
 local ENVELOPE = #'{"messages":[]}'
 local RECYCLE_BYTES = 2 * 1024 * 1024   -- keep batch buffers up to this
+local BODY_PIECE = 64 * 1024
 local IDLE_WAIT = 2
 local EXIT_WATCH = 3600
 
@@ -602,7 +603,13 @@ local function dispatch(self, b)
 
     local buf = b.buf
     buf:skip(1)     -- the first message's leading comma
-    local body = { '{"messages":[', buf:tostring(), ']}' }
+    -- the body as pieces below LuaJIT's mmap threshold: one string of a
+    -- megabyte would be mapped, faulted in and unmapped for every batch
+    local body = { '{"messages":[' }
+    while #buf > 0 do
+        body[#body + 1] = buf:get(BODY_PIECE)
+    end
+    body[#body + 1] = ']}'
     b.buf = nil
     buf:reset()
     local free = self.free_bufs
