@@ -3,14 +3,22 @@
  * Copyright (C) resty-loom authors
  *
  * Standard base64 (with padding) for resty.loom.publish, which encodes
- * every message's data in the request path: a 4096-entry table of
- * character pairs turns each 3 input bytes into two 16-bit stores, about
- * three times faster than nginx's byte-at-a-time encoder.
+ * every message's data in the request path. On x86-64 with SSSE3, 12 bytes
+ * become 16 characters per round in registers (the pshufb method published
+ * by Wojciech Mula); elsewhere, and for the tail, a 4096-entry table of
+ * character pairs turns each 3 bytes into two 16-bit stores. A table alone
+ * was 0.5 us per KiB when warm but twice that in a busy worker, whose
+ * requests push the 8 KiB table out of the cache between messages.
  */
 
 
 #include "ngx_loom.h"
 #include <endian.h>
+
+#if (defined __x86_64__ && defined __GNUC__)
+#define LOOM_B64_SSSE3  1
+#include <tmmintrin.h>
+#endif
 
 
 size_t ngx_loom_ffi_base64_encode(const u_char *src, size_t len,
@@ -41,6 +49,59 @@ ngx_loom_b64_init(void)
 }
 
 
+#if (LOOM_B64_SSSE3)
+
+static ngx_int_t  ngx_loom_b64_has_ssse3 = -1;
+
+
+/* encodes 12 bytes per round while 16 can be read; returns bytes consumed */
+__attribute__((target("ssse3")))
+static size_t
+ngx_loom_b64_ssse3(const u_char *src, size_t len, u_char *dst)
+{
+    size_t   done;
+    __m128i  in, t0, t1, t2, t3, idx, r, less;
+
+    const __m128i  spread = _mm_set_epi8(10, 11, 9, 10, 7, 8, 6, 7,
+                                         4, 5, 3, 4, 1, 2, 0, 1);
+    /* what to add to a 6-bit value to get its character, by range */
+    const __m128i  shift = _mm_setr_epi8('a' - 26, '0' - 52, '0' - 52,
+                                         '0' - 52, '0' - 52, '0' - 52,
+                                         '0' - 52, '0' - 52, '0' - 52,
+                                         '0' - 52, '0' - 52, '+' - 62,
+                                         '/' - 63, 'A', 0, 0);
+
+    done = 0;
+
+    while (len - done >= 16) {
+        in = _mm_loadu_si128((const __m128i *) (src + done));
+
+        /* each 3 bytes "a b c" as "b a c b", then the four 6-bit fields
+         * moved into four bytes with two multiplies */
+        in = _mm_shuffle_epi8(in, spread);
+        t0 = _mm_and_si128(in, _mm_set1_epi32(0x0fc0fc00));
+        t1 = _mm_mulhi_epu16(t0, _mm_set1_epi32(0x04000040));
+        t2 = _mm_and_si128(in, _mm_set1_epi32(0x003f03f0));
+        t3 = _mm_mullo_epi16(t2, _mm_set1_epi32(0x01000010));
+        idx = _mm_or_si128(t1, t3);
+
+        /* 0..25 -> 13, 26..51 -> 0, 52..61 -> 1..10, 62 -> 11, 63 -> 12 */
+        r = _mm_subs_epu8(idx, _mm_set1_epi8(51));
+        less = _mm_cmpgt_epi8(_mm_set1_epi8(26), idx);
+        r = _mm_or_si128(r, _mm_and_si128(less, _mm_set1_epi8(13)));
+        r = _mm_add_epi8(_mm_shuffle_epi8(shift, r), idx);
+
+        _mm_storeu_si128((__m128i *) dst, r);
+        dst += 16;
+        done += 12;
+    }
+
+    return done;
+}
+
+#endif
+
+
 /* dst must have room for 4 * ((len + 2) / 3) bytes; returns bytes written */
 size_t
 ngx_loom_ffi_base64_encode(const u_char *src, size_t len, u_char *dst)
@@ -56,6 +117,20 @@ ngx_loom_ffi_base64_encode(const u_char *src, size_t len, u_char *dst)
     }
 
     d = dst;
+
+#if (LOOM_B64_SSSE3)
+    if (ngx_loom_b64_has_ssse3 == -1) {
+        ngx_loom_b64_has_ssse3 = __builtin_cpu_supports("ssse3") ? 1 : 0;
+    }
+
+    if (ngx_loom_b64_has_ssse3 && len >= 16) {
+        full = ngx_loom_b64_ssse3(src, len, d);
+        src += full;
+        len -= full;
+        d += full / 3 * 4;
+    }
+#endif
+
     full = len - len % 3;
     end = src + full;
 
