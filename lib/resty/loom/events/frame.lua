@@ -22,11 +22,14 @@
 
 local ffi = require "ffi"
 local buffer = require "string.buffer"
+local tab_clone = require "table.clone"
 
 local ffi_cast = ffi.cast
 local ffi_sizeof = ffi.sizeof
 local buf_new = buffer.new
 local floor = math.floor
+local pairs = pairs
+local type = type
 
 
 ffi.cdef [[
@@ -359,13 +362,35 @@ function _M.decode_body(p, len)
 end
 
 
--- A copy of the data of the body encode_body() just produced: what a
--- worker that publishes to itself hands its own handlers.
-function _M.copy_data()
-    local p, len = body:ref()
-    local _, _, data = _M.decode_body(p, len)
-    return data
+-- A copy of data as decoding what encode_body() made of it would give
+-- (for data it accepted): tables are copied and lose their metatables;
+-- strings, numbers and the rest are immutable and shared. What a worker
+-- hands its own handlers for its own events; cheaper than the codec.
+local function copy_data(v)
+    if type(v) ~= "table" then
+        return v
+    end
+    local t = tab_clone(v)
+    local table_keys = false
+    for k, x in pairs(t) do
+        if type(x) == "table" then
+            t[k] = copy_data(x)
+        end
+        if type(k) == "table" then
+            table_keys = true
+        end
+    end
+    if table_keys then
+        -- keys cannot be replaced while iterating: copy them into a new one
+        local u = {}
+        for k, x in pairs(t) do
+            u[copy_data(k)] = x
+        end
+        return u
+    end
+    return t
 end
 
+_M.copy_data = copy_data
 
 return _M
