@@ -182,3 +182,33 @@ def test_stalled_subscriber_does_not_hold_back_other_publishers(nginx):
     assert st[3]["stats"]["gaps"] <= dropped["subscriber too slow"]
     assert "dropping events for worker 3: subscriber too slow" \
         in n.error_log()
+
+
+BURST = ec.SERVER + """
+    location = /burst { content_by_lua_block {
+        local bus = require("resty.loom.events").get()
+        local ran = false
+        ngx.thread.spawn(function() ngx.sleep(0); ran = true end)
+        local first_seen
+        for i = 1, 3000 do
+            assert(bus:publish("others", "t", "burst", i))
+            if ran and not first_seen then
+                first_seen = i
+            end
+        end
+        ngx.say(first_seen or "never")
+    } }
+"""
+
+
+def test_wait_policy_lets_requests_in_during_a_burst(nginx):
+    """With overflow = "wait", a long run of publishes yields every 1,000
+    events; with "reject" publish never yields."""
+    n = nginx(workers=2, http=ec.http('overflow = "wait"'), server=BURST)
+    ec.wait_ready(n)
+    first = n.get("/burst").text.strip()
+    assert first != "never" and 1 <= int(first) <= 1000, first
+
+    m = nginx(workers=2, http=ec.http('overflow = "reject"'), server=BURST)
+    ec.wait_ready(m)
+    assert m.get("/burst").text.strip() == "never"

@@ -76,6 +76,7 @@ local SEND_TIMEOUT = 30
 local LOG_INTERVAL = 10
 local MAX_PAYLOAD_LIMIT = 64 * 1024 * 1024
 local UNIQUE_KEY_MAX = frame.KEY_MAX
+local BURST = 1000          -- publishes in one go before a yield ("wait")
 local WAIT_PHASES = {
     rewrite = true, access = true, content = true, timer = true,
     ssl_cert = true, ssl_session_fetch = true,
@@ -263,6 +264,8 @@ function _M.new(opts)
         writer_idle = false,        -- the writer waits on wsema
         space = semaphore.new(),    -- room in the queue
         waiters = 0,
+        burst = 0,                  -- publishes since burst_at (ngx.now())
+        burst_at = 0,
 
         -- receiving
         inbox = ring.new(),         -- events for the handlers
@@ -1141,6 +1144,20 @@ function _M.publish(self, target, source, event, data)
     count(stats, kind == ALL and "all" or kind == OTHERS and "others"
                  or kind == UNIQUE and "unique" or kind == AGENT and "agent"
                  or "worker")
+    if self.opts.overflow == "wait" then
+        -- a publisher that may be slowed is: a long run of publishes in
+        -- one go lets the worker's requests in every BURST events
+        local now = ngx_now()
+        if now ~= self.burst_at then
+            self.burst_at, self.burst = now, 0
+        end
+        local burst = self.burst + 1
+        if burst >= BURST and WAIT_PHASES[get_phase()] then
+            burst = 0
+            ngx_sleep(0)
+        end
+        self.burst = burst
+    end
     return true
 end
 
