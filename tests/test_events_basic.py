@@ -121,7 +121,8 @@ def test_latency_and_stats_shape(nginx):
     st = ec.wait_totals(n, {0: 200, 1: 200})
     for s in st.values():
         lat = s["stats"]["latency"]
-        assert lat["count"] >= 200
+        # sampled: at least every 8th event
+        assert 25 <= lat["count"] <= 200
         assert 0 < lat["p50"] <= lat["p99"] <= lat["max"] < 5
     pub = [s for s in st.values() if s["stats"]["published"]]
     assert sum(s["stats"]["published"]["all"] for s in pub) >= 200

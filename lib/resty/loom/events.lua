@@ -77,6 +77,7 @@ local LOG_INTERVAL = 10
 local MAX_PAYLOAD_LIMIT = 64 * 1024 * 1024
 local UNIQUE_KEY_MAX = frame.KEY_MAX
 local BURST = 1000          -- publishes in one go before a yield ("wait")
+local STAMP_EVERY = 8       -- latency sampling, see publish()
 local WAIT_PHASES = {
     rewrite = true, access = true, content = true, timer = true,
     ssl_cert = true, ssl_session_fetch = true,
@@ -266,6 +267,7 @@ function _M.new(opts)
         waiters = 0,
         burst = 0,                  -- publishes since burst_at (ngx.now())
         burst_at = 0,
+        stamp_ms = 0,               -- ngx.now() of the last latency sample
 
         -- receiving
         inbox = ring.new(),         -- events for the handlers
@@ -446,7 +448,7 @@ local function dispatch_next(self)
     if not source then
         return false
     end
-    if latency then
+    if latency and latency > 0 then
         self.latency:record(mono() - latency)
     end
     if self.rwaiters > 0 then
@@ -1124,7 +1126,15 @@ function _M.publish(self, target, source, event, data)
         self.direct_seq[kind] = stream
     end
 
-    local now = mono()
+    -- the latency histogram samples the event that starts a millisecond
+    -- and every STAMP_EVERY-th after it: a clock read costs 40-100 ns at
+    -- both ends, a tenth of an event at full rate; 0 is "not sampled"
+    local now = 0
+    local ms = ngx_now()
+    if ms ~= self.stamp_ms or seq % STAMP_EVERY == 0 then
+        self.stamp_ms = ms
+        now = mono()
+    end
     local bytes = frame.put_event(self.unsent, seq, kind, self.worker,
                                   self.pid, self.incarnation, stream, now,
                                   key)
