@@ -104,11 +104,14 @@ func registered() Constructor {
 }
 
 // Call is one call: the request bytes and a way to see whether the caller
-// gave up.
+// gave up. A Call is valid only until Handle returns (each serving
+// goroutine reuses its own for the next call): do not keep it, nor its
+// payload.
 type Call struct {
-	payload   []byte
-	cancelled func() bool
-	thread    int
+	payload []byte
+	in      *instance
+	task    *task // nil once answered
+	thread  int
 }
 
 // Payload returns the request bytes. They belong to the call: they are
@@ -118,7 +121,12 @@ func (c *Call) Payload() []byte { return c.payload }
 // Cancelled reports whether nobody waits for the answer any more
 // (timeout, aborted request, worker shutting down). Long handlers should
 // check it now and then and return early.
-func (c *Call) Cancelled() bool { return c.cancelled() }
+func (c *Call) Cancelled() bool {
+	if c.task == nil {
+		return true
+	}
+	return c.in.cancelled(c.task)
+}
 
 // Thread is the index of the goroutine serving this call.
 func (c *Call) Thread() int { return c.thread }

@@ -5,6 +5,7 @@ package offload
 import (
 	"errors"
 	"fmt"
+	"runtime"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -81,6 +82,34 @@ func TestResultsErrorsPanicsState(t *testing.T) {
 	m.close()
 	if closed.Load() != 1 {
 		t.Errorf("Close called %d times", closed.Load())
+	}
+}
+
+// Goroutines blocked in host->wait() get Ps of their own on top of the
+// ones Go code has, and give them back when the runtime stops.
+func TestGomaxprocsCoversServingGoroutines(t *testing.T) {
+	var closed atomic.Int64
+	register(&closed)
+	base := runtime.GOMAXPROCS(0)
+	a, err := startMock("", 3)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := startMock("", 2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := runtime.GOMAXPROCS(0); got != base+5 {
+		t.Errorf("GOMAXPROCS %d with 5 serving goroutines, want %d",
+			got, base+5)
+	}
+	a.close()
+	if got := runtime.GOMAXPROCS(0); got != base+2 {
+		t.Errorf("GOMAXPROCS %d after one shutdown, want %d", got, base+2)
+	}
+	b.close()
+	if got := runtime.GOMAXPROCS(0); got != base {
+		t.Errorf("GOMAXPROCS %d after both shut down, want %d", got, base)
 	}
 }
 

@@ -2,31 +2,67 @@ package offload
 
 /*
 #cgo CFLAGS: -I${SRCDIR}/../../../include -O2
+#cgo noescape loom_go_next
+#cgo nocallback loom_go_next
+#cgo noescape loom_go_cancelled
+#cgo nocallback loom_go_cancelled
+#cgo noescape loom_go_answer
+#cgo nocallback loom_go_answer
 
 #define LOOM_OFFLOAD_NO_PROTOTYPES
 #include <loom_offload.h>
 #include <errno.h>
 #include <signal.h>
 #include <pthread.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/syscall.h>
+#include <time.h>
 #include <unistd.h>
 
-// cgo cannot call through C function pointers: small trampolines.
+// cgo cannot call through C function pointers: small trampolines. The
+// ones on the hot path never call back into Go nor keep a pointer past
+// the call, which the directives above tell cgo, so that arguments stay
+// on the stack.
 
+// What loom_go_next() hands to Go: the task taken, its request bytes,
+// and a coarse clock (ms) read after the wait.
+typedef struct {
+    loom_offload_task_t  *task;
+    const unsigned char  *data;
+    size_t                len;
+    int64_t               now_ms;
+} loom_go_next_t;
+
+// One cgo call per task on the hot path: answers the previous task (if
+// any), waits for the next one and fetches its request bytes. rsp is a
+// Go slice's address passed as an integer: the host copies the bytes
+// before answer() returns and nothing keeps the address, and the Go side
+// keeps the slice alive across the call.
 static int
-loom_go_wait(const loom_offload_host_t *h, loom_offload_queue_t *q,
-    int timeout_ms, loom_offload_task_t **task)
+loom_go_next(const loom_offload_host_t *h, loom_offload_queue_t *q,
+    loom_offload_task_t *done, int status, uintptr_t rsp, size_t rsp_len,
+    int timeout_ms, loom_go_next_t *out)
 {
-    return h->wait(q, timeout_ms, task);
-}
+    int              rc;
+    struct timespec  ts;
 
-static const unsigned char *
-loom_go_request(const loom_offload_host_t *h, loom_offload_task_t *t,
-    size_t *len)
-{
-    return h->request(t, len);
+    if (done != NULL) {
+        h->answer(done, status, (const void *) rsp, rsp_len);
+    }
+
+    out->task = NULL;
+    rc = h->wait(q, timeout_ms, &out->task);
+
+    if (rc == LOOM_OFFLOAD_TASK) {
+        out->data = h->request(out->task, &out->len);
+    }
+
+    clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
+    out->now_ms = (int64_t) ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+
+    return rc;
 }
 
 static int
@@ -160,10 +196,24 @@ import (
 // the queue, so it only limits how long a goroutine sleeps in C.
 const waitMs = 1000
 
+// reschedEveryMs is how often a serving goroutine passes through the Go
+// scheduler (runtime.Gosched; on a locked thread that costs two thread
+// wake-ups). A goroutine locked to its thread that only ever goes from
+// one cgo call to the next is never rescheduled, and after 10 ms of that
+// Go's sysmon takes its P away at every tick it finds it in C (it cannot
+// preempt it there), hands the P to another thread and keeps itself
+// waking every 20 us: about a third of the Go runtime's CPU time per call
+// went to that churn. One pass through the scheduler every few
+// milliseconds resets the clock sysmon goes by.
+const reschedEveryMs = 5
+
+type task = C.loom_offload_task_t
+
 type instance struct {
 	host    *C.loom_offload_host_t
 	queue   *C.loom_offload_queue_t
 	handler Handler
+	threads int
 	wg      sync.WaitGroup
 }
 
@@ -175,53 +225,99 @@ func (in *instance) log(level C.int, msg string) {
 	C.loom_go_log(in.host, in.queue, level, (*C.char)(p), C.size_t(len(msg)))
 }
 
-func (in *instance) answer(task *C.loom_offload_task_t, status C.int,
-	data []byte) {
+func (in *instance) cancelled(t *task) bool {
+	return C.loom_go_cancelled(in.host, t) != 0
+}
+
+func (in *instance) answer(t *task, status C.int, data []byte) {
 	var p unsafe.Pointer
 	if len(data) > 0 {
 		// The host copies the bytes before answer returns; passing a Go
 		// pointer for the duration of the call is allowed by cgo.
 		p = unsafe.Pointer(&data[0])
 	}
-	C.loom_go_answer(in.host, task, status, p, C.size_t(len(data)))
+	C.loom_go_answer(in.host, t, status, p, C.size_t(len(data)))
 }
 
 func (in *instance) serve(index int) {
 	defer in.wg.Done()
-	// One OS thread per serving goroutine, with signals blocked.
+	// One OS thread per serving goroutine, with signals blocked; it
+	// blocks in host->wait() itself, so a task goes from the host to the
+	// handler without any goroutine hand-off, and the answer to one task
+	// and the wait for the next are one cgo call.
 	runtime.LockOSThread()
 	C.loom_go_block_signals()
+	// in C memory, so that cgo has no Go pointer to check (cgo's
+	// C.malloc never returns nil: it crashes when out of memory)
+	next := (*C.loom_go_next_t)(C.malloc(C.size_t(unsafe.Sizeof(
+		C.loom_go_next_t{}))))
+	defer C.free(unsafe.Pointer(next))
+	var (
+		done   *task
+		status C.int
+		rsp    []byte
+		last   int64
+	)
+	empty := []byte{}
+	call := &Call{in: in, thread: index}
 	for {
-		var task *C.loom_offload_task_t
-		rc := C.loom_go_wait(in.host, in.queue, waitMs, &task)
+		var p uintptr
+		if len(rsp) > 0 {
+			p = uintptr(unsafe.Pointer(&rsp[0]))
+		}
+		rc := C.loom_go_next(in.host, in.queue, done, status, C.uintptr_t(p),
+			C.size_t(len(rsp)), waitMs, next)
+		runtime.KeepAlive(rsp)
+		done, rsp = nil, nil
 		if rc == C.LOOM_OFFLOAD_CLOSED {
 			return
 		}
-		if rc != C.LOOM_OFFLOAD_TASK || task == nil {
-			continue
+		if rc == C.LOOM_OFFLOAD_TASK {
+			// the payload is the host's memory, valid until the answer
+			call.payload = empty
+			if next.len > 0 {
+				call.payload = unsafe.Slice((*byte)(unsafe.Pointer(next.data)),
+					int(next.len))
+			}
+			call.task = next.task
+			resp, errMsg, ok := safeHandle(in.handler, call)
+			call.task, call.payload = nil, nil
+			done, status, rsp = next.task, C.LOOM_OFFLOAD_OK, resp
+			if !ok {
+				status, rsp = C.LOOM_OFFLOAD_ERROR, []byte(errMsg)
+			}
 		}
-		var n C.size_t
-		data := C.loom_go_request(in.host, task, &n)
-		var payload []byte
-		if n > 0 {
-			payload = unsafe.Slice((*byte)(unsafe.Pointer(data)), int(n))
-		} else {
-			payload = []byte{}
-		}
-		call := &Call{
-			payload: payload,
-			cancelled: func() bool {
-				return C.loom_go_cancelled(in.host, task) != 0
-			},
-			thread: index,
-		}
-		rsp, errMsg, ok := safeHandle(in.handler, call)
-		if ok {
-			in.answer(task, C.LOOM_OFFLOAD_OK, rsp)
-		} else {
-			in.answer(task, C.LOOM_OFFLOAD_ERROR, []byte(errMsg))
+		if now := int64(next.now_ms); now-last >= reschedEveryMs {
+			if done != nil {
+				// answer first: nobody waits while we reschedule
+				in.answer(done, status, rsp)
+				done, rsp = nil, nil
+			}
+			runtime.Gosched()
+			last = now
 		}
 	}
+}
+
+// Goroutines blocked in host->wait() hold a P each while they are in C.
+// So that they never starve the goroutines that have Go work to do (and
+// sysmon does not have to take Ps from them to run those), GOMAXPROCS is
+// raised by the number of serving goroutines over what it was when the
+// first runtime started, and lowered again when runtimes shut down.
+var (
+	procsMu   sync.Mutex
+	procsBase int
+	serving   int
+)
+
+func addServing(n int) {
+	procsMu.Lock()
+	defer procsMu.Unlock()
+	if serving == 0 {
+		procsBase = runtime.GOMAXPROCS(0)
+	}
+	serving += n
+	runtime.GOMAXPROCS(procsBase + serving)
 }
 
 func setErr(args *C.loom_offload_init_t, msg string) {
@@ -269,7 +365,9 @@ func loom_offload_init(args *C.loom_offload_init_t) C.int {
 		setErr(args, "failed to create handler: constructor returned nil")
 		return -1
 	}
-	in := &instance{host: args.host, queue: args.queue, handler: h}
+	in := &instance{host: args.host, queue: args.queue, handler: h,
+		threads: threads}
+	addServing(threads)
 	in.wg.Add(threads)
 	for i := 0; i < threads; i++ {
 		go in.serve(i)
@@ -295,6 +393,7 @@ func loom_offload_shutdown(p unsafe.Pointer) {
 	// stuck in a call keeps us here; the host stops waiting after its
 	// grace period.
 	in.wg.Wait()
+	addServing(-in.threads)
 	if c, ok := in.handler.(Closer); ok {
 		func() {
 			defer func() {
