@@ -93,6 +93,15 @@
 /* how soon tasks left to busy threads are looked at again (ms) */
 #define LOOM_WAKE_CHECK_MS           1
 
+/*
+ * a spin that found a task only after this long cost its CPU more than the
+ * wake-up it saved (a futex call on each side): it counts as a miss, and
+ * the spin window halves. Under concurrent load tasks come every few tens
+ * of microseconds, and a spinner that caught each of them late kept the
+ * full window and a CPU the event loops needed
+ */
+#define LOOM_SPIN_PAYS_NS            10000
+
 /* at most this many calls skip the poll after polls that missed */
 #define LOOM_POLL_BACKOFF_MAX        256
 
@@ -453,8 +462,9 @@ ngx_loom_offload_wait(loom_offload_queue_t *q, int timeout_ms,
          * usually gets the next task within microseconds under load, and
          * taking it without a futex wake-up saves a cross-CPU round trip;
          * one spinner per queue is enough, the others sleep. The spin
-         * halves after each miss and is restored when tasks come within
-         * the spin window again, so an idle runtime soon stops spinning.
+         * halves after each miss (or a task found late, see
+         * LOOM_SPIN_PAYS_NS) and is restored when tasks come within the
+         * spin window again, so an idle runtime soon stops spinning.
          */
 
         q->spinners++;
@@ -477,10 +487,15 @@ ngx_loom_offload_wait(loom_offload_queue_t *q, int timeout_ms,
             }
         }
 
+        /* how long the spin lasted: deadline is its start plus spin */
+        now = ngx_loom_offload_now_ns();
+
         pthread_mutex_lock(&q->mtx);
         q->spinners--;
 
-        if (!ngx_queue_empty(&q->pending)) {
+        if (!ngx_queue_empty(&q->pending)
+            && now + spin - deadline <= LOOM_SPIN_PAYS_NS)
+        {
             q->spin_cur_ns = q->spin_ns;
 
         } else {
