@@ -40,7 +40,6 @@ METADATA_PATH = \
 SELF_SIGNED_AUD = "https://pubsub.googleapis.com/"
 
 
-
 def count_data_fields(body):
     """The messages with data in a publish body, without parsing it (fast
     mode). Base64 holds no quote, so each data value ends at the next one
@@ -56,6 +55,7 @@ def count_data_fields(body):
             break
         i = find(b'"data":"', j + 1)
     return n
+
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True

@@ -61,15 +61,10 @@ local AGENT = frame.AGENT
 local LOCAL = -100                  -- "current": never leaves the worker
 
 local INTERNAL = "loom.bus"         -- source of the bus's own events
-local READ_SIZE = 65536
-local YIELD_BYTES = 65536          -- read between yields to the event loop
--- bytes per write: LuaJIT allocates strings over 128 KiB with mmap, which
--- page-faults them in on every write
-local WRITE_MAX = 65536
--- a frame still missing more than this is read exactly to its end; below
--- it, the next read takes whatever is there (one call instead of two,
--- and runs of small frames differ often enough where LuaJIT samples)
-local EXACT_MIN = 1024
+local READ_SIZE = frame.READ_SIZE
+local YIELD_BYTES = frame.YIELD_BYTES
+local WRITE_MAX = frame.WRITE_MAX
+local EXACT_MIN = frame.EXACT_MIN
 local SLICE = 256                   -- events handled between yields
 local CONNECT_TIMEOUT = 2
 local SEND_TIMEOUT = 30
@@ -1157,9 +1152,8 @@ function _M.publish(self, target, source, event, data)
     if self.opts.overflow == "wait" then
         -- a publisher that may be slowed is: a long run of publishes in
         -- one go lets the worker's requests in every BURST events
-        local now = ngx_now()
-        if now ~= self.burst_at then
-            self.burst_at, self.burst = now, 0
+        if ms ~= self.burst_at then
+            self.burst_at, self.burst = ms, 0
         end
         local burst = self.burst + 1
         if burst >= BURST and WAIT_PHASES[get_phase()] then

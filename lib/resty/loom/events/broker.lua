@@ -48,15 +48,10 @@ local OTHERS = frame.OTHERS
 local UNIQUE = frame.UNIQUE
 local AGENT = frame.AGENT
 
-local READ_SIZE = 65536
-local YIELD_BYTES = 65536          -- read between yields to the event loop
--- bytes per write: LuaJIT allocates strings over 128 KiB with mmap, which
--- page-faults them in on every write
-local WRITE_MAX = 65536
--- a frame still missing more than this is read exactly to its end; below
--- it, the next read takes whatever is there (one call instead of two,
--- and runs of small frames differ often enough where LuaJIT samples)
-local EXACT_MIN = 1024
+local READ_SIZE = frame.READ_SIZE
+local YIELD_BYTES = frame.YIELD_BYTES
+local WRITE_MAX = frame.WRITE_MAX
+local EXACT_MIN = frame.EXACT_MIN
 local HELLO_TIMEOUT = 2            -- seconds to send a valid hello
 local SEND_TIMEOUT = 60            -- seconds a write to a busy worker may take
 local LOG_INTERVAL = 10            -- seconds between repeated warnings

@@ -73,6 +73,17 @@ local CHUNK = 256 * 1024
 local FLAG_MORE = 1
 local KEY_MAX = 1024       -- longest unique key
 
+-- how the clients and the broker read and write the socket:
+local READ_SIZE = 65536
+local YIELD_BYTES = 65536  -- read between yields to the event loop
+-- bytes per write: LuaJIT allocates strings over 128 KiB with mmap, which
+-- page-faults them in on every write
+local WRITE_MAX = 65536
+-- a frame still missing more than this is read exactly to its end; below
+-- it, the next read takes whatever is there (one call instead of two,
+-- and runs of small frames differ often enough where LuaJIT samples)
+local EXACT_MIN = 1024
+
 local T_HELLO = 1
 local T_WELCOME = 2
 local T_EVENT = 3
@@ -96,6 +107,10 @@ local _M = {
     CHUNK = CHUNK,
     FLAG_MORE = FLAG_MORE,
     KEY_MAX = KEY_MAX,
+    READ_SIZE = READ_SIZE,
+    YIELD_BYTES = YIELD_BYTES,
+    WRITE_MAX = WRITE_MAX,
+    EXACT_MIN = EXACT_MIN,
     HELLO = T_HELLO,
     WELCOME = T_WELCOME,
     EVENT = T_EVENT,
