@@ -12,6 +12,7 @@ local fifo = require "resty.loom.events.fifo"
 local ring = require "resty.loom.events.ring"
 local broker = require "resty.loom.events.broker"
 local histogram = require "resty.loom.histogram"
+local yield = require("resty.loom.yield").yield
 
 local C = ffi.C
 local frame_seq = frame.seq
@@ -467,7 +468,7 @@ local function handler_loop(premature, self)
             if run >= SLICE then
                 -- let requests in between long runs of handlers
                 run = 0
-                ngx_sleep(0)
+                yield()
             end
         else
             if worker_exiting() and not self.connected then
@@ -645,7 +646,7 @@ local function reader(self, sock, link)
             if since_yield >= YIELD_BYTES then
                 -- a long run of reads: let requests in
                 since_yield = 0
-                ngx_sleep(0)
+                yield()
             end
         end
     end
@@ -1158,7 +1159,7 @@ function _M.publish(self, target, source, event, data)
         local burst = self.burst + 1
         if burst >= BURST and WAIT_PHASES[get_phase()] then
             burst = 0
-            ngx_sleep(0)
+            yield()
         end
         self.burst = burst
     end

@@ -7,6 +7,7 @@
 
 local ffi = require "ffi"
 local base = require "resty.core.base"
+local yield = require("resty.loom.yield").yield
 require "resty.core.phase"
 require "ngx.semaphore"     -- declares ngx_http_lua_sema_t and its FFI
 
@@ -378,7 +379,7 @@ function _M.call(self, payload, opts)
         loom_release(task)
 
         if pause then
-            ngx_sleep(0)
+            yield()
         end
 
         return res

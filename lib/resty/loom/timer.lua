@@ -17,6 +17,7 @@
 local core = require "resty.loom.timer.core"
 local tstats = require "resty.loom.timer.stats"
 local semaphore = require "ngx.semaphore"
+local yield = require("resty.loom.yield").yield
 local ffi = require "ffi"
 
 local ngx = ngx
@@ -25,7 +26,6 @@ local ERR = ngx.ERR
 local WARN = ngx.WARN
 local NOTICE = ngx.NOTICE
 local spawn = ngx.thread.spawn
-local ngx_sleep = ngx.sleep
 local worker_exiting = ngx.worker.exiting
 local native_at = ngx.timer.at
 local native_every = ngx.timer.every
@@ -163,7 +163,7 @@ local start_runner
 
 
 -- a lane runs queued callbacks back to back; after `slice` seconds of
--- them it yields to the event loop (ngx.sleep(0)) so that a large batch
+-- them it yields to the event loop (resty.loom.yield) so that a large batch
 -- does not hold up request processing
 local function lane(r)
     local e = eng
@@ -176,7 +176,7 @@ local function lane(r)
         now = e.last_end
         if now - start >= slice and e:queued() > 0 then
             parked = parked + 1
-            ngx_sleep(0)
+            yield()
             parked = parked - 1
             -- let the runner look again: if a callback of this lane yields
             -- next, it spawns another lane for the rest of the queue
@@ -229,7 +229,7 @@ local function dispatch(r, e)
         -- many yielding callbacks in a row: give the event loop a turn
         local now = clock()
         if now - start >= slice then
-            ngx_sleep(0)
+            yield()
             start = clock()
         end
     end
@@ -300,6 +300,36 @@ start_runner = function()
 end
 
 
+-- the runner waits for the wheel's next timer, or when bounded (the live
+-- lanes drain the queue) for its next deadline
+local function runner_wait(e, res)
+    local w
+    if res == "bound" then
+        w = e:next_deadline()
+    else
+        w = e:next_wake()
+    end
+    local timeout
+    if w == nil then
+        timeout = IDLE_SLEEP
+        e.sleep_until = huge
+    else
+        timeout = ceil((w - clock()) / 1000) / 1000
+        if timeout > IDLE_SLEEP then
+            -- far cascades: the semaphore takes an int of milliseconds
+            timeout = IDLE_SLEEP
+        end
+        e.sleep_until = w
+    end
+    if timeout > 0 then
+        sema:wait(timeout)
+    elseif res == "bound" then
+        sema:wait(0.001)
+    end
+    e.sleep_until = nil
+end
+
+
 runner_main = function(premature, rid)
     starting = false
     local r = { id = rid, threads = 0, spawns = 0, done = false }
@@ -323,35 +353,17 @@ runner_main = function(premature, rid)
             handover = true
             break
         end
-        if exiting and (e:queued() == 0 or res == "bound") then
+        if exiting and e:queued() == 0 then
             break
         end
-
-        -- when bounded, the live lanes drain the queue: wait for the wheel
-        local w
-        if res == "bound" then
-            w = e:next_deadline()
+        if exiting and res == "bound" then
+            -- the live lanes drain the queue; look again next turn (a new
+            -- runner started now would run in this very pass of nginx's
+            -- timers and find the same, over and over)
+            yield()
         else
-            w = e:next_wake()
+            runner_wait(e, res)
         end
-        local timeout
-        if w == nil then
-            timeout = IDLE_SLEEP
-            e.sleep_until = huge
-        else
-            timeout = ceil((w - clock()) / 1000) / 1000
-            if timeout > IDLE_SLEEP then
-                -- far cascades: the semaphore takes an int of milliseconds
-                timeout = IDLE_SLEEP
-            end
-            e.sleep_until = w
-        end
-        if timeout > 0 then
-            sema:wait(timeout)
-        elseif res == "bound" then
-            sema:wait(0.001)
-        end
-        e.sleep_until = nil
     end
 
     r.done = true

@@ -12,6 +12,7 @@ local buffer = require "string.buffer"
 local frame = require "resty.loom.events.frame"
 local fifo = require "resty.loom.events.fifo"
 local semaphore = require "ngx.semaphore"
+local yield = require("resty.loom.yield").yield
 
 local C = ffi.C
 local frame_seq = frame.seq
@@ -20,7 +21,6 @@ local ngx_log = ngx.log
 local ngx_var = ngx.var
 local ngx_now = ngx.now
 local ngx_exit = ngx.exit
-local ngx_sleep = ngx.sleep
 local spawn = ngx.thread.spawn
 local kill = ngx.thread.kill
 local buf_new = buffer.new
@@ -500,7 +500,7 @@ local function reader(bus, b, c)
             if since_yield >= YIELD_BYTES then
                 -- a long run of reads: let requests in
                 since_yield = 0
-                ngx_sleep(0)
+                yield()
             end
         end
     end

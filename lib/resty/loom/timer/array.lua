@@ -28,6 +28,9 @@ void *mremap(void *old_address, size_t old_size, size_t new_size,
              int flags, ...);
 int munmap(void *addr, size_t length);
 ]])
+pcall(ffi.cdef, [[
+typedef struct { void *p; size_t bytes; } loom_array_map_t;
+]])
 
 
 local PAGE = 4096
@@ -49,24 +52,31 @@ local function round_up(bytes)
 end
 
 
-local function unmapper(bytes)
-    return function(p)
-        C.munmap(p, bytes)
-    end
+-- a mapping's owner: its finalizer unmaps it (one function for all, so
+-- that growing an array inside compiled code creates no closure)
+local function unmap(m)
+    C.munmap(m.p, m.bytes)
 end
 
 
--- an array object: { ptr = <ctype pointer>, n = elements, bytes = size }
+local function owner(p, bytes)
+    return ffi_gc(ffi_new("loom_array_map_t", p, bytes), unmap)
+end
+
+
+-- an array object: { ptr = <ctype pointer>, n = elements, bytes = size };
+-- a mapped array lives as long as the object (its owner, map, unmaps it)
 -- ptr_ct: the pointer ctype ("T *"), vla_ct: the array ctype ("T[?]"),
 -- size: bytes per element; plain = true: no mapping (tests)
 function _M.new(ptr_ct, vla_ct, size, n, plain)
     local self = { ptr = nil, n = 0, bytes = 0, ptr_ct = ptr_ct,
-                   vla_ct = vla_ct, size = size, mapped = false }
+                   vla_ct = vla_ct, size = size, mapped = false, map = nil }
     if USE_MAP and not plain then
         local bytes = round_up(n * size)
         local p = C.mmap(nil, bytes, PROT_RW, MAP_PRIVATE_ANON, -1, 0)
         if p ~= MAP_FAILED then
-            self.ptr = ffi_gc(ffi_cast(ptr_ct, p), unmapper(bytes))
+            self.map = owner(p, bytes)
+            self.ptr = ffi_cast(ptr_ct, p)
             self.bytes = bytes
             self.n = n
             self.mapped = true
@@ -94,8 +104,9 @@ function _M.grow(self, n)
         local old = self.ptr
         local p = C.mremap(old, self.bytes, bytes, MREMAP_MAYMOVE)
         if p ~= MAP_FAILED then
-            ffi_gc(old, nil)        -- the old address is gone (or reused)
-            self.ptr = ffi_gc(ffi_cast(self.ptr_ct, p), unmapper(bytes))
+            ffi_gc(self.map, nil)   -- the old address is gone (or reused)
+            self.map = owner(p, bytes)
+            self.ptr = ffi_cast(self.ptr_ct, p)
             self.bytes = bytes
             self.n = n
             return self.ptr
@@ -103,8 +114,9 @@ function _M.grow(self, n)
         -- no room to move the mapping: copy into ordinary memory
         local a = ffi_new(self.vla_ct, n)
         ffi_copy(a, old, self.n * size)
-        ffi_gc(old, nil)
+        ffi_gc(self.map, nil)
         C.munmap(old, self.bytes)
+        self.map = nil
         self.mapped = false
         self.keep = a
         self.ptr = ffi_cast(self.ptr_ct, a)

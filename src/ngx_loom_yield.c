@@ -1,0 +1,111 @@
+
+/*
+ * Copyright (C) resty-loom authors
+ *
+ * A yield that gives the event loop a turn, for resty.loom.yield.
+ *
+ * Without OpenResty's delayed-events patch, ngx.sleep(0) is a 0 ms timer.
+ * A coroutine resumed by a timer runs inside ngx_event_expire_timers(),
+ * which does not update the clock: the new timer has already expired and
+ * runs in the same pass, so a loop that "yields" with ngx.sleep(0) never
+ * lets epoll run and every request waits for it to finish. Here a yield
+ * posts one event to ngx_posted_next_events (nginx >= 1.17.5): the next
+ * turn of the loop polls with a zero timeout first, serves what is ready,
+ * runs due timers, and only then, among the posted events, posts the
+ * semaphore the yielding coroutines wait on (with lua-nginx-module's own
+ * ngx_http_lua_ffi_sema_post, resolved with dlsym).
+ */
+
+
+#include "ngx_loom.h"
+#include <ngx_event.h>
+#include <dlfcn.h>
+
+
+#define LOOM_YIELD_SEMS  8
+
+
+typedef int (*ngx_loom_yield_sema_post_pt)(void *sem, int n);
+
+
+int ngx_loom_ffi_yield(void *sem);
+
+
+static void ngx_loom_yield_handler(ngx_event_t *ev);
+
+
+static ngx_event_t                   ngx_loom_yield_ev;
+static ngx_loom_yield_sema_post_pt   ngx_loom_yield_post;
+static void                         *ngx_loom_yield_sem[LOOM_YIELD_SEMS];
+static int                           ngx_loom_yield_n[LOOM_YIELD_SEMS];
+static ngx_uint_t                    ngx_loom_yield_nsems;
+
+
+/*
+ * Asks for sem to be posted once on the next turn of the event loop.
+ * LOOM_FFI_DECLINED: not possible here (an nginx without
+ * ngx_posted_next_events, lua-nginx-module's semaphore not found, or more
+ * distinct semaphores waiting than this keeps); the caller falls back to a
+ * 1 ms sleep.
+ */
+int
+ngx_loom_ffi_yield(void *sem)
+{
+#if (nginx_version >= 1017005)
+    ngx_uint_t  i;
+
+    if (ngx_loom_yield_post == NULL) {
+        ngx_loom_yield_post = (ngx_loom_yield_sema_post_pt)
+                              dlsym(RTLD_DEFAULT, "ngx_http_lua_ffi_sema_post");
+        if (ngx_loom_yield_post == NULL) {
+            return LOOM_FFI_DECLINED;
+        }
+    }
+
+    for (i = 0; i < ngx_loom_yield_nsems; i++) {
+        if (ngx_loom_yield_sem[i] == sem) {
+            break;
+        }
+    }
+
+    if (i == ngx_loom_yield_nsems) {
+        if (i == LOOM_YIELD_SEMS) {
+            return LOOM_FFI_DECLINED;
+        }
+
+        ngx_loom_yield_sem[i] = sem;
+        ngx_loom_yield_n[i] = 0;
+        ngx_loom_yield_nsems++;
+    }
+
+    ngx_loom_yield_n[i]++;
+
+    if (!ngx_loom_yield_ev.posted) {
+        ngx_loom_yield_ev.handler = ngx_loom_yield_handler;
+        ngx_loom_yield_ev.log = ngx_cycle->log;
+        ngx_post_event(&ngx_loom_yield_ev, &ngx_posted_next_events);
+    }
+
+    return LOOM_FFI_OK;
+#else
+    return LOOM_FFI_DECLINED;
+#endif
+}
+
+
+static void
+ngx_loom_yield_handler(ngx_event_t *ev)
+{
+    ngx_uint_t  i, n;
+
+    /* a coroutine resumed below may yield again: that is the next turn */
+    n = ngx_loom_yield_nsems;
+    ngx_loom_yield_nsems = 0;
+
+    for (i = 0; i < n; i++) {
+        (void) ngx_loom_yield_post(ngx_loom_yield_sem[i],
+                                   ngx_loom_yield_n[i]);
+    }
+}
+
+/* vi:set ft=c ts=4 sw=4 et fdm=marker: */
