@@ -1,6 +1,7 @@
 """send() stays on compiled traces: no NYI trace aborts in
 resty.loom.publish while messages are queued."""
 
+import http.client
 import os
 
 
@@ -39,3 +40,49 @@ def test_send_compiles_without_aborts(nginx):
     assert bad == [], bad
     assert any(l.startswith("[TRACE ") and "---" not in l and
                "publish.lua" in l for l in traces)
+
+
+def test_send_per_request_compiles(nginx):
+    """Called once per request, as in production: the part of send() after
+    the attribute loop (data, ordering key, queueing) runs as a compiled
+    side trace of that loop; nothing it calls aborts a trace (the base64
+    and JSON helpers, when send() encoded the data before the loop, did)."""
+    n = nginx(workers=1, http="""
+    init_worker_by_lua_block {
+        P = require("resty.loom.publish").new({
+            project = "loom-proj", topic = "topic-1",
+            emulator_host = "127.0.0.1:9",      -- never reached
+            batch_max_delay = 3600, buffer_max_messages = 1000000,
+            buffer_max_bytes = 1e9, flush_timeout = 0.2 })
+        DATA = string.rep("0123456789abcdef", 64)
+    }""", server="""
+    location = /jit { content_by_lua_block {
+        require("jit.v").on(ngx.var.arg_log)
+        ngx.say("on")
+    } }
+    location = /send { content_by_lua_block {
+        local attrs = { host = "edge-1", path = ngx.var.uri,
+                        seq = tostring(ngx.var.connection_requests) }
+        local ok, err = P:send(DATA, attrs)
+        ngx.say(ok and "ok" or err)
+    } }""")
+    n.allow_log(r"messages not delivered")
+    log = os.path.join(n.prefix, "logs", "jit.log")
+    assert n.get("/jit?log=" + log).text.strip() == "on"
+    conn = http.client.HTTPConnection("127.0.0.1", n.port, timeout=10)
+    for _ in range(3000):
+        conn.request("GET", "/send")
+        r = conn.getresponse()
+        assert r.read().strip() == b"ok"
+    conn.close()
+    with open(log) as f:
+        lines = f.read().splitlines()
+    ours = ("publish.lua", "base64.lua", "json.lua")
+    aborts = [l for l in lines if l.startswith("[TRACE ---")
+              and any(m in l for m in ours)]
+    # the function's own entry trace stops at its loop ("inner loop in
+    # root trace"): the one abort expected
+    assert all("inner loop in root trace" in l for l in aborts), aborts
+    compiled = [l for l in lines if l.startswith("[TRACE ")
+                and "---" not in l and "publish.lua" in l]
+    assert any("loop" in l for l in compiled), compiled

@@ -6,7 +6,8 @@ three attributes, under `wrk -t1 -c64 -d<D>s --latency`. Scenarios, run
 side by side and alternated A B C ... A B C ...:
 
   none          no publishing (the ceiling)
-  loom-fake     resty.loom.publish to the fake Pub/Sub in fast mode
+  loom-fake     resty.loom.publish to the fake Pub/Sub's fast mode, a sink
+                that counts messages (tests/pubsub/sink.py)
   naive-fake    one HTTP publish per request over a keep-alive cosocket,
                 waited for in the request (the "brute force" way)
   loom-emu      resty.loom.publish to Google's Pub/Sub emulator
@@ -35,7 +36,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 from loomtest.nginx import Nginx  # noqa: E402
 from pubsub import emulator as E  # noqa: E402
-from pubsub.fake import FakePubSub  # noqa: E402
+from pubsub.sink import FastSink  # noqa: E402
 
 DURATION = int(os.environ.get("BENCH_DURATION", "10"))
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "3"))
@@ -190,8 +191,8 @@ def run_one(name, n, sink_obj):
         "/loom" if name.startswith("loom") else "/naive")
     pids = n.worker_pids()
     before = counters(n)
-    fake_before = (sink_obj.message_count, len(sink_obj.requests)) \
-        if isinstance(sink_obj, FakePubSub) else None
+    fake_before = (sink_obj.message_count, sink_obj.request_count) \
+        if isinstance(sink_obj, FastSink) else None
     ticks0 = cpu_ticks(pids)
     own0 = cpu_ticks([os.getpid()])
     t0 = time.time()
@@ -211,7 +212,7 @@ def run_one(name, n, sink_obj):
         time.sleep(0.2)
     after = counters(n)
     acked = after["acked"] - before["acked"]
-    if name.startswith("loom") and not isinstance(sink_obj, FakePubSub):
+    if name.startswith("loom") and not isinstance(sink_obj, FastSink):
         res["lost"] = (after["accepted"] - before["accepted"]) - acked
     res.update({
         "scenario": name,
@@ -228,7 +229,7 @@ def run_one(name, n, sink_obj):
     })
     if fake_before:
         got = sink_obj.message_count - fake_before[0]
-        reqs = len(sink_obj.requests) - fake_before[1]
+        reqs = sink_obj.request_count - fake_before[1]
         res["sink_messages"] = got
         res["sink_requests"] = reqs
         res["http_requests_per_message"] = reqs / got if got else None
@@ -244,7 +245,7 @@ def run_one(name, n, sink_obj):
 def main():
     # a TERM still stops nginx and the emulator (the finally below)
     signal.signal(signal.SIGTERM, lambda *a: sys.exit(1))
-    fake = FakePubSub(fast=True)
+    fake = FastSink()
     emu = None
     instances = {}
     notes = ["load average (1, 5, 15 min) at start: %.2f %.2f %.2f"
@@ -328,7 +329,8 @@ def write(runs, notes, date=None):
         "setup": {"wrk": "-t1 -c%d -d%ds --latency" % (CONNECTIONS, DURATION),
                   "rounds": ROUNDS, "workers": 2,
                   "message": "1 KiB data, 3 attributes",
-                  "fake_sink": "tests/pubsub/fake.py fast mode (Python)",
+                  "fake_sink": "tests/pubsub/sink.py (Python, one thread, "
+                               "selectors)",
                   "emulator": E.find_jar()},
         "notes": notes,
         "medians": medians,

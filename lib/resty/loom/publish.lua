@@ -17,6 +17,7 @@ local http = require "resty.loom.http"
 local auth = require "resty.loom.publish.auth"
 local histogram = require "resty.loom.histogram"
 local base64 = require "resty.loom.publish.base64"
+local json = require "resty.loom.publish.json"
 
 local ngx_now = ngx.now
 local ngx_update_time = ngx.update_time
@@ -31,10 +32,9 @@ local thread_wait = ngx.thread.wait
 local worker_exiting = ngx.worker.exiting
 local decode_base64 = ngx.decode_base64
 local json_decode = cjson.decode
-local json_encode = cjson.encode
 local buf_new = buffer.new
 local b64_into = base64.encode_into
-local byte = string.byte
+local put_string = json.put_string
 local sub = string.sub
 local floor = math.floor
 local random = math.random
@@ -82,68 +82,6 @@ local _M = { _VERSION = "0.1.0" }
 local mt = { __index = _M }
 
 
--- 0: plain printable ASCII; 1: needs JSON escaping; nil: invalid UTF-8
-local function classify(s)
-    local flag = 0
-    local i, n = 1, #s
-    while i <= n do
-        local c = byte(s, i)
-        if c < 0x80 then
-            if c < 0x20 or c == 0x22 or c == 0x5c or c == 0x7f then
-                flag = 1
-            end
-            i = i + 1
-        else
-            flag = 1
-            local extra, lo
-            if c >= 0xc2 and c <= 0xdf then
-                extra, lo = 1, 0x80
-            elseif c >= 0xe0 and c <= 0xef then
-                extra, lo = 2, (c == 0xe0) and 0xa0 or 0x80
-            elseif c >= 0xf0 and c <= 0xf4 then
-                extra, lo = 3, (c == 0xf0) and 0x90 or 0x80
-            else
-                return nil
-            end
-            if i + extra > n then
-                return nil
-            end
-            local c2 = byte(s, i + 1)
-            local hi = 0xbf
-            if c == 0xed then
-                hi = 0x9f
-            elseif c == 0xf4 then
-                hi = 0x8f
-            end
-            if c2 < lo or c2 > hi then
-                return nil
-            end
-            for j = i + 2, i + extra do
-                local cj = byte(s, j)
-                if cj < 0x80 or cj > 0xbf then
-                    return nil
-                end
-            end
-            i = i + extra + 1
-        end
-    end
-    return flag
-end
-
-
--- appends s as a JSON string; returns nil when s is not valid UTF-8
-local function put_string(buf, s)
-    local flag = classify(s)
-    if flag == 0 then
-        buf:put('"', s, '"')
-        return true
-    end
-    if flag == nil then
-        return nil
-    end
-    buf:put(json_encode(s))
-    return true
-end
 
 
 local function fifo_new()
@@ -317,14 +255,6 @@ function _M.send(self, data, attributes, ordering_key)
     s:reset()
     s:put(',{')
     local comma = ""
-    if dlen > 0 then
-        s:put('"data":"')
-        local n = floor((dlen + 2) / 3) * 4
-        local p = s:reserve(n)
-        s:commit(b64_into(p, data, dlen))
-        s:put('"')
-        comma = ","
-    end
     if attributes ~= nil then
         if type(attributes) ~= "table" then
             return nil, "attributes must be a table"
@@ -352,7 +282,7 @@ function _M.send(self, data, attributes, ordering_key)
                 return nil, "attribute value too long"
             end
             if count == 1 then
-                s:put(comma, '"attributes":{')
+                s:put('"attributes":{')
             else
                 s:put(',')
             end
@@ -368,6 +298,17 @@ function _M.send(self, data, attributes, ordering_key)
             s:put('}')
             comma = ","
         end
+    end
+    -- the data after the attributes: in a call with attributes, what
+    -- follows their loop is compiled (as the loop's side trace), what comes
+    -- before it is not (LuaJIT does not let a function's trace enter a loop)
+    if dlen > 0 then
+        s:put(comma, '"data":"')
+        local n = floor((dlen + 2) / 3) * 4
+        local p = s:reserve(n)
+        s:commit(b64_into(p, data, dlen))
+        s:put('"')
+        comma = ","
     end
     if comma == "" then
         return nil, "message needs data or attributes"
