@@ -126,7 +126,10 @@ class FastSink:
         c.buf += data
         out = []
         while True:
-            n = self._request(c, out)
+            try:
+                n = self._request(c, out)
+            except ValueError:          # a length that is not a number
+                return self._drop(c)
             if n is None:
                 break
             del c.buf[:n]
@@ -148,6 +151,8 @@ class FastSink:
         if i >= 0:
             j = head.find(b"\r\n", i + 2)
             length = int(head[i + 17:j if j >= 0 else len(head)])
+            if length < 0:
+                raise ValueError("negative length")
         body = end + 4
         if len(buf) < body + length:
             return None

@@ -82,8 +82,6 @@ local _M = { _VERSION = "0.1.0" }
 local mt = { __index = _M }
 
 
-
-
 local function fifo_new()
     return { first = 1, last = 0 }
 end
