@@ -22,9 +22,6 @@
 #include <dlfcn.h>
 
 
-#define LOOM_YIELD_SEMS  8
-
-
 typedef int (*ngx_loom_yield_sema_post_pt)(void *sem, int n);
 
 
@@ -36,24 +33,21 @@ static void ngx_loom_yield_handler(ngx_event_t *ev);
 
 static ngx_event_t                   ngx_loom_yield_ev;
 static ngx_loom_yield_sema_post_pt   ngx_loom_yield_post;
-static void                         *ngx_loom_yield_sem[LOOM_YIELD_SEMS];
-static int                           ngx_loom_yield_n[LOOM_YIELD_SEMS];
-static ngx_uint_t                    ngx_loom_yield_nsems;
+/* the one semaphore resty.loom.yield waits on, and the posts it is owed */
+static void                         *ngx_loom_yield_sem;
+static int                           ngx_loom_yield_n;
 
 
 /*
  * Asks for sem to be posted once on the next turn of the event loop.
  * LOOM_FFI_DECLINED: not possible here (an nginx without
- * ngx_posted_next_events, lua-nginx-module's semaphore not found, or more
- * distinct semaphores waiting than this keeps); the caller falls back to a
- * 1 ms sleep.
+ * ngx_posted_next_events, lua-nginx-module's semaphore not found, or posts
+ * still owed to another semaphore); the caller falls back to a 1 ms sleep.
  */
 int
 ngx_loom_ffi_yield(void *sem)
 {
 #if (nginx_version >= 1017005)
-    ngx_uint_t  i;
-
     if (ngx_loom_yield_post == NULL) {
         ngx_loom_yield_post = (ngx_loom_yield_sema_post_pt)
                               dlsym(RTLD_DEFAULT, "ngx_http_lua_ffi_sema_post");
@@ -62,23 +56,12 @@ ngx_loom_ffi_yield(void *sem)
         }
     }
 
-    for (i = 0; i < ngx_loom_yield_nsems; i++) {
-        if (ngx_loom_yield_sem[i] == sem) {
-            break;
-        }
+    if (ngx_loom_yield_n > 0 && ngx_loom_yield_sem != sem) {
+        return LOOM_FFI_DECLINED;
     }
 
-    if (i == ngx_loom_yield_nsems) {
-        if (i == LOOM_YIELD_SEMS) {
-            return LOOM_FFI_DECLINED;
-        }
-
-        ngx_loom_yield_sem[i] = sem;
-        ngx_loom_yield_n[i] = 0;
-        ngx_loom_yield_nsems++;
-    }
-
-    ngx_loom_yield_n[i]++;
+    ngx_loom_yield_sem = sem;
+    ngx_loom_yield_n++;
 
     if (!ngx_loom_yield_ev.posted) {
         ngx_loom_yield_ev.handler = ngx_loom_yield_handler;
@@ -96,16 +79,13 @@ ngx_loom_ffi_yield(void *sem)
 static void
 ngx_loom_yield_handler(ngx_event_t *ev)
 {
-    ngx_uint_t  i, n;
+    int  n;
 
-    /* a coroutine resumed below may yield again: that is the next turn */
-    n = ngx_loom_yield_nsems;
-    ngx_loom_yield_nsems = 0;
+    /* a coroutine resumed by this post may yield again: the next turn */
+    n = ngx_loom_yield_n;
+    ngx_loom_yield_n = 0;
 
-    for (i = 0; i < n; i++) {
-        (void) ngx_loom_yield_post(ngx_loom_yield_sem[i],
-                                   ngx_loom_yield_n[i]);
-    }
+    (void) ngx_loom_yield_post(ngx_loom_yield_sem, n);
 }
 
 /* vi:set ft=c ts=4 sw=4 et fdm=marker: */

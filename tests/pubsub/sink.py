@@ -93,7 +93,7 @@ class FastSink:
                 if key.data is None:
                     self._accept()
                 elif mask & selectors.EVENT_WRITE:
-                    self._flush(key.data)
+                    self._write(key.data, key.data.out)
                 else:
                     self._read(key.data)
 
@@ -134,7 +134,7 @@ class FastSink:
                 break
             del c.buf[:n]
         if out and not c.closed:
-            self._send(c, b"".join(out))
+            self._write(c, b"".join(out))
 
     def _request(self, c, out):
         """Answers the request at the front of c.buf; returns its length,
@@ -174,26 +174,17 @@ class FastSink:
             '{"messageIds":[]}').encode()))
         return body + length
 
-    def _send(self, c, data):
+    def _write(self, c, data):
+        """Sends what it can of data; the rest waits for the socket to be
+        writable, and the connection is not read meanwhile."""
         try:
             sent = c.sock.send(data)
         except (BlockingIOError, InterruptedError):
             sent = 0
         except OSError:
             return self._drop(c)
-        if sent < len(data):
-            c.out = data[sent:]
-            self.sel.modify(c.sock, selectors.EVENT_WRITE, c)
-
-    def _flush(self, c):
-        data, c.out = c.out, b""
-        try:
-            sent = c.sock.send(data)
-        except (BlockingIOError, InterruptedError):
-            sent = 0
-        except OSError:
-            return self._drop(c)
-        if sent < len(data):
-            c.out = data[sent:]
-        else:
-            self.sel.modify(c.sock, selectors.EVENT_READ, c)
+        was_waiting = bool(c.out)
+        c.out = data[sent:]
+        if bool(c.out) != was_waiting:
+            self.sel.modify(c.sock, selectors.EVENT_WRITE if c.out
+                            else selectors.EVENT_READ, c)
