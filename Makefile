@@ -3,7 +3,8 @@
 #   make run     install what is missing, build, start the example gateway
 #   make test    lint, build, run the whole test suite
 #   make build   build build/ngx_loom_module.so (NGINX_SRC=<tree> to use
-#                another nginx or OpenResty source tree)
+#                another nginx or OpenResty source tree) and the benchmark's
+#                Pub/Sub sink, build/pubsub-sink
 
 SHELL        := /bin/bash
 ROOT         := $(abspath .)
@@ -14,6 +15,7 @@ PYTHON       ?= python3
 PYTEST_ARGS  ?=
 SRC_DIR      := $(BUILD_DIR)/nginx-src
 MODULE       := $(BUILD_DIR)/ngx_loom_module.so
+SINK         := $(BUILD_DIR)/pubsub-sink
 C_SOURCES    := $(wildcard src/*.c src/*.h include/*.h) config
 RUNTIMES     := $(patsubst %/Makefile,%,$(wildcard runtimes/*/Makefile))
 
@@ -39,7 +41,7 @@ deps:
 	@# Debian enables the packaged nginx on install; we start our own.
 	@-systemctl disable --now nginx >/dev/null 2>&1 || true
 
-build: $(MODULE)
+build: $(MODULE) $(SINK)
 
 # The configured tree depends on the set of C files (config globs them).
 $(SRC_DIR)/.configured: config $(wildcard src/*.c)
@@ -62,6 +64,11 @@ $(MODULE): $(SRC_DIR)/.configured $(C_SOURCES)
 	    cp objs/ngx_loom_module.so $(MODULE).tmp && \
 	    mv $(MODULE).tmp $(MODULE)'
 	@echo "built $(MODULE)"
+
+# the benchmark's Pub/Sub sink (tests/pubsub/sink.py starts it)
+$(SINK): tests/pubsub/sink.c
+	@mkdir -p $(BUILD_DIR)
+	$(CC) -O2 -Wall -Wextra -o $@ $<
 
 runtimes:
 	@for d in $(RUNTIMES); do $(MAKE) -C $$d all || exit 1; done

@@ -58,3 +58,31 @@ def test_counts_and_ids_over_keepalive_and_pipelining():
         assert sink.request_count == 3
     finally:
         sink.close()
+
+
+def test_split_writes_garbage_and_stats():
+    sink = FastSink()
+    try:
+        # a request that arrives a few bytes at a time
+        s = socket.create_connection(("127.0.0.1", sink.port))
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        f = s.makefile("rb")
+        raw = request(PATH, body(4, 100))
+        for i in range(0, len(raw), 7):
+            s.sendall(raw[i:i + 7])
+        st, b = read_response(f)
+        assert st == 200 and len(json.loads(b)["messageIds"]) == 4
+        # a length that is not a number closes that connection only
+        g = socket.create_connection(("127.0.0.1", sink.port))
+        g.sendall(b"POST /x:publish HTTP/1.1\r\nContent-Length: -5\r\n\r\n")
+        assert g.recv(100) == b""
+        g.close()
+        s.sendall(request(PATH, body(1, 10)))
+        assert read_response(f)[0] == 200
+        s.close()
+        st = sink.stats()
+        assert (st["messages"], st["requests"]) == (5, 2)
+        assert st["bytes"] == len(body(4, 100)) + len(body(1, 10))
+    finally:
+        sink.close()
+    assert sink.proc.returncode == 0

@@ -249,6 +249,9 @@ function _M.send(self, data, attributes, ordering_key)
         return nil, "closed"
     end
 
+    -- the message before and after its data goes to two small buffers
+    -- first: the data is base64-encoded straight into the batch once the
+    -- message is known to be valid and where it goes
     local s = self.scratch
     s:reset()
     s:put(',{')
@@ -297,28 +300,30 @@ function _M.send(self, data, attributes, ordering_key)
             comma = ","
         end
     end
-    -- the data after the attributes: in a call with attributes, what
-    -- follows their loop is compiled (as the loop's side trace), what comes
-    -- before it is not (LuaJIT does not let a function's trace enter a loop)
+    -- the data is encoded below, after the attributes: in a call with
+    -- attributes, what follows their loop is compiled (as the loop's side
+    -- trace), what comes before it is not (LuaJIT does not let a function's
+    -- trace enter a loop)
+    local b64len = 0
+    local tail = self.scratch_tail
+    tail:reset()
     if dlen > 0 then
         s:put(comma, '"data":"')
-        local n = floor((dlen + 2) / 3) * 4
-        local p = s:reserve(n)
-        s:commit(b64_into(p, data, dlen))
-        s:put('"')
+        b64len = floor((dlen + 2) / 3) * 4
+        tail:put('"')
         comma = ","
     end
     if comma == "" then
         return nil, "message needs data or attributes"
     end
     if key ~= "" then
-        s:put(',"orderingKey":')
-        if not put_string(s, key) then
+        tail:put(',"orderingKey":')
+        if not put_string(tail, key) then
             return nil, "ordering key must be valid UTF-8"
         end
     end
-    s:put('}')
-    local len = #s
+    tail:put('}')
+    local len = #s + b64len + #tail
     if len - 1 + ENVELOPE > MAX_REQUEST_BYTES then
         return nil, "message too large"
     end
@@ -360,7 +365,12 @@ function _M.send(self, data, attributes, ordering_key)
     if not b then
         b = new_batch(self, q, now)
     end
-    b.buf:put(s)
+    local out = b.buf
+    out:put(s)
+    if b64len > 0 then
+        out:commit(b64_into(out:reserve(b64len), data, dlen))
+    end
+    out:put(tail)
     local total = b.total + 1
     b.total = total
     b.lens[total] = len
@@ -1060,6 +1070,7 @@ function _M.new(opts)
         sealed = fifo_new(),     -- batches ready to go
         sema = semaphore.new(0),
         scratch = buf_new(2048),
+        scratch_tail = buf_new(2048),
         free_bufs = {},
         running = false,
         exiting = false,
