@@ -101,6 +101,14 @@ BAD = [
      "attribute value too long"),
     ({"data": "x", "attributes": {"k%d" % i: "v" for i in range(101)}},
      "too many attributes"),
+    # send() takes the first four attributes and the rest by different
+    # paths: a bad one among more than four
+    ({"data": "x", "attributes": dict({"k%d" % i: "v" for i in range(6)},
+                                      bad=1)},
+     "attribute value must be a string"),
+    ({"data": "x", "attributes": dict({"k%d" % i: "v" for i in range(6)},
+                                      googx="v")},
+     "attribute key must not start with goog"),
     ({"data": "x", "key": 7}, "ordering key must be a string"),
     ({"data": "x", "key": "k" * 1025}, "ordering key too long"),
 ]

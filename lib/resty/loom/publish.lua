@@ -41,6 +41,7 @@ local random = math.random
 local min = math.min
 local type = type
 local pairs = pairs
+local next = next
 local xpcall = xpcall
 local traceback = debug.traceback
 local error = error
@@ -221,6 +222,46 @@ local function start(self)
 end
 
 
+-- Encodes the attribute after key k of t (the first for k == nil) into s,
+-- as the count-th one. Returns its key; nil when there is none left, or
+-- nil and why the attribute is refused.
+local function put_next_attribute(s, t, k, count)
+    local v
+    k, v = next(t, k)
+    if k == nil then
+        return nil
+    end
+    if count > MAX_ATTRIBUTES then
+        return nil, "too many attributes"
+    end
+    if type(k) ~= "string" then
+        return nil, "attribute key must be a string"
+    end
+    local klen = #k
+    if klen == 0 or klen > MAX_KEY_BYTES then
+        return nil, "attribute key must be 1 to 256 bytes"
+    end
+    if sub(k, 1, 4) == "goog" then
+        return nil, "attribute key must not start with goog"
+    end
+    if type(v) ~= "string" then
+        return nil, "attribute value must be a string"
+    end
+    if #v > MAX_VALUE_BYTES then
+        return nil, "attribute value too long"
+    end
+    s:put(count == 1 and '"attributes":{' or ',')
+    if not put_string(s, k) then
+        return nil, "attribute key must be valid UTF-8"
+    end
+    s:put(':')
+    if not put_string(s, v) then
+        return nil, "attribute value must be valid UTF-8"
+    end
+    return k
+end
+
+
 -- ok, err = p:send(data, attributes?, ordering_key?)
 -- Never yields. err: a validation message, "buffer full",
 -- "ordering key paused" or "closed".
@@ -260,42 +301,28 @@ function _M.send(self, data, attributes, ordering_key)
         if type(attributes) ~= "table" then
             return nil, "attributes must be a table"
         end
-        local count = 0
-        for k, v in pairs(attributes) do
-            count = count + 1
-            if count > MAX_ATTRIBUTES then
-                return nil, "too many attributes"
-            end
-            if type(k) ~= "string" then
-                return nil, "attribute key must be a string"
-            end
-            local klen = #k
-            if klen == 0 or klen > MAX_KEY_BYTES then
-                return nil, "attribute key must be 1 to 256 bytes"
-            end
-            if sub(k, 1, 4) == "goog" then
-                return nil, "attribute key must not start with goog"
-            end
-            if type(v) ~= "string" then
-                return nil, "attribute value must be a string"
-            end
-            if #v > MAX_VALUE_BYTES then
-                return nil, "attribute value too long"
-            end
-            if count == 1 then
-                s:put('"attributes":{')
-            else
-                s:put(',')
-            end
-            if not put_string(s, k) then
-                return nil, "attribute key must be valid UTF-8"
-            end
-            s:put(':')
-            if not put_string(s, v) then
-                return nil, "attribute value must be valid UTF-8"
-            end
+        -- the first four attributes without a loop: LuaJIT aborts a trace
+        -- that meets an inner loop, so a loop would leave send() and its
+        -- caller interpreted up to it (more attributes still take it)
+        local k, err = put_next_attribute(s, attributes, nil, 1)
+        if k ~= nil then
+            k, err = put_next_attribute(s, attributes, k, 2)
         end
-        if count > 0 then
+        if k ~= nil then
+            k, err = put_next_attribute(s, attributes, k, 3)
+        end
+        if k ~= nil then
+            k, err = put_next_attribute(s, attributes, k, 4)
+        end
+        local count = 4
+        while k ~= nil do
+            count = count + 1
+            k, err = put_next_attribute(s, attributes, k, count)
+        end
+        if err then
+            return nil, err
+        end
+        if #s > 2 then          -- more than the leading ',{'
             s:put('}')
             comma = ","
         end
