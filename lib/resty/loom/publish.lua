@@ -327,10 +327,8 @@ function _M.send(self, data, attributes, ordering_key)
             comma = ","
         end
     end
-    -- the data is encoded below, after the attributes: in a call with
-    -- attributes, what follows their loop is compiled (as the loop's side
-    -- trace), what comes before it is not (LuaJIT does not let a function's
-    -- trace enter a loop)
+    -- the data is encoded last: with more than four attributes, only what
+    -- follows their loop is compiled (as the loop's side trace)
     local b64len = 0
     local tail = self.scratch_tail
     tail:reset()
