@@ -54,8 +54,9 @@ def test_counts_and_ids_over_keepalive_and_pipelining():
         s.sendall(request("/other", body(1)))
         assert read_response(f)[0] == 404
         s.close()
-        assert sink.message_count == 705
-        assert sink.request_count == 3
+        st = sink.stats()
+        assert st["messages"] == 705
+        assert st["requests"] == 3
     finally:
         sink.close()
 

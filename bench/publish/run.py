@@ -194,8 +194,8 @@ def run_one(name, n, sink_obj):
         "/loom" if name.startswith("loom") else "/naive")
     pids = n.worker_pids()
     before = counters(n)
-    fake_before = (sink_obj.message_count, sink_obj.request_count) \
-        if isinstance(sink_obj, FastSink) else None
+    fake_before = sink_obj.stats() if isinstance(sink_obj, FastSink) \
+        else None
     # the fast sink's own CPU (the emulator is a JVM under a wrapper)
     sink_pids = [sink_obj.proc.pid] if fake_before else []
     ticks0 = cpu_ticks(pids)
@@ -236,8 +236,9 @@ def run_one(name, n, sink_obj):
     if fake_before:
         res["sink_cpu_pct"] = 100.0 * (sink1 - sink0) \
             / os.sysconf("SC_CLK_TCK") / elapsed
-        got = sink_obj.message_count - fake_before[0]
-        reqs = sink_obj.request_count - fake_before[1]
+        fake_after = sink_obj.stats()
+        got = fake_after["messages"] - fake_before["messages"]
+        reqs = fake_after["requests"] - fake_before["requests"]
         res["sink_messages"] = got
         res["sink_requests"] = reqs
         res["http_requests_per_message"] = reqs / got if got else None

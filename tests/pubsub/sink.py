@@ -6,7 +6,7 @@ CPU is taken from what is measured: the Python server this replaces spent
 
     sink = FastSink()
     ... nginx publishes to sink.host (plain HTTP, keep-alive) ...
-    sink.message_count, sink.request_count, sink.bytes
+    sink.stats()    # {"messages", "requests", "bytes", "connections"}
     sink.close()
 
 Any POST whose path ends in ":publish" is accepted: each message with data
@@ -33,7 +33,6 @@ class FastSink:
                                      stdout=subprocess.PIPE)
         self.port = int(self.proc.stdout.readline())
         self.host = "127.0.0.1:%d" % self.port
-        self.url = "http://" + self.host
 
     def stats(self):
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
@@ -42,18 +41,6 @@ class FastSink:
             return json.loads(conn.getresponse().read())
         finally:
             conn.close()
-
-    @property
-    def message_count(self):
-        return self.stats()["messages"]
-
-    @property
-    def request_count(self):
-        return self.stats()["requests"]
-
-    @property
-    def bytes(self):
-        return self.stats()["bytes"]
 
     def close(self):
         self.proc.stdin.close()
