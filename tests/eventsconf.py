@@ -16,6 +16,7 @@ def http(opts="", extra_init="", extra_worker=""):
     }
     server {
         listen unix:$PREFIX/sock/bus.sock;
+        lua_socket_buffer_size 64k;
         location / {
             content_by_lua_block { require("resty.loom.events").get():serve() }
         }

@@ -217,6 +217,7 @@ VALIDATION = """
     init_worker_by_lua_block { require("events_helper").init_worker() }
     server {
         listen unix:$PREFIX/sock/bus.sock;
+        lua_socket_buffer_size 64k;
         location / { content_by_lua_block {
             require("resty.loom.events").get():serve() } }
     }

@@ -37,6 +37,7 @@ WE_HTTP = """
     }
     server {
         listen unix:$PREFIX/sock/bus.sock;
+        lua_socket_buffer_size 64k;
         location / { content_by_lua_block {
             require("resty.loom.events").get():serve() } }
     }
@@ -149,6 +150,7 @@ EV_HTTP = """
     }
     server {
         listen unix:$PREFIX/sock/ev.sock;
+        lua_socket_buffer_size 64k;
         location / { content_by_lua_block {
             package.loaded.my_events:run() } }
     }

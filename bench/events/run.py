@@ -193,6 +193,7 @@ location = /_bench/ctl {
 BUS_SERVER = """
 server {
     listen unix:$PREFIX/sock/bus.sock;
+    lua_socket_buffer_size 64k;
     location / {
         content_by_lua_block { require("resty.loom.events").get():serve() }
     }
