@@ -1,6 +1,7 @@
 """Delivery by target, ordering, payload size limits."""
 
 import time
+import zlib
 
 import eventsconf as ec
 
@@ -92,6 +93,67 @@ def test_payload_16mib_and_too_large(nginx):
     r = n.get("/ev/pub?target=all&n=1&size=%d" % (21 * 1024 * 1024),
               timeout=30).json()
     assert r["ok"] == 0 and r["errors"] == {"payload too large": 1}
+
+
+def connected_to(path):
+    """Connections the listener at path accepted (the kernel's list)."""
+    count = 0
+    with open("/proc/net/unix") as f:
+        next(f)
+        for line in f:
+            cols = line.split()
+            # Num RefCount Protocol Flags Type St Inode Path; St 03: connected
+            if len(cols) == 8 and cols[7] == path and cols[5] == "03":
+                count += 1
+    return count
+
+
+def pub_from(n, wid, query, tries=400):
+    """Publishes from worker wid: asks until a request lands there."""
+    for _ in range(tries):
+        r = n.get("/ev/pub?only=%d&%s" % (wid, query), timeout=30)
+        if r.status != 409:
+            return r.json()
+    raise AssertionError("no request reached worker %d" % wid)
+
+
+def test_broker_worker_link(nginx):
+    """The broker worker reaches the broker in its own process, with no
+    socket: its events, chunked ones and unique ones included, reach every
+    worker in order, and other workers' events reach it the same way."""
+    n = start(nginx, opts="max_payload = 4 * 1024 * 1024")
+    expect = {w: 0 for w in range(4)}
+    for wid, source in ((0, "b0"), (1, "b1")):
+        r = pub_from(n, wid, "target=all&n=2000&source=" + source)
+        assert r["ok"] == 2000 and r["worker"] == wid
+        for w in expect:
+            expect[w] += 2000
+    big = 3 * 1024 * 1024          # 12 chunks on the wire
+    for wid in (0, 2):
+        r = pub_from(n, wid, "target=all&n=1&source=big&size=%d" % big)
+        assert r["ok"] == 1
+        for w in expect:
+            expect[w] += 1
+    # a unique key that lands on the broker worker, published there
+    key = next("k%d" % i for i in range(100)
+               if zlib.crc32(b"k%d" % i) % 4 == 0)
+    assert pub_from(n, 0, "target=unique:%s&source=u" % key)["ok"] == 1
+    # to the broker worker by id: from itself, and from another worker
+    assert pub_from(n, 0, "target=0&n=5&source=self")["ok"] == 5
+    assert pub_from(n, 3, "target=0&n=7&source=to0")["ok"] == 7
+    expect[0] += 1 + 5 + 7
+    st = ec.wait_totals(n, expect, timeout=30)
+    for w, s in st.items():
+        assert s["sizes"] == [big, big], w
+        assert s["order_errors"] == 0, w
+        assert s["stats"]["gaps"] == 0 and s["stats"]["duplicates"] == 0
+        assert s["stats"]["reconnects"] == 0
+    b = st[0]["stats"]["broker"]
+    # three sockets and the broker worker's own link
+    assert b["connections"] == 4 and b["accepted"] == 4, b
+    assert connected_to(n.prefix + "/sock/bus.sock") == 3
+    assert all(q["connected"] for q in b["queues"].values()), b
+    assert st[0]["stats"]["queue"]["unacked"] == 0
 
 
 def test_handler_error_logged_with_site_and_delivery_goes_on(nginx):

@@ -97,6 +97,12 @@ function _M.handle()
     local a = args()
     local what = ngx.var.uri:match("/ev/(%w+)")
     if what == "pub" then
+        if a.only and tonumber(a.only) ~= ngx.worker.id() then
+            -- the test wants this published from another worker
+            ngx.status = 409
+            ngx.say("worker ", ngx.worker.id())
+            return
+        end
         local n = tonumber(a.n or 1)
         local target = a.target or "all"
         if tonumber(target) then

@@ -1,7 +1,7 @@
 -- resty.loom.events: an inter-worker event bus. One worker is the broker
--- on a `listen unix:` server; every worker (the broker too, and the
--- privileged agent when enabled) connects to it with a cosocket, publishes
--- and receives events. See docs/events.md.
+-- on a `listen unix:` server; every other worker (and the privileged agent
+-- when enabled) connects to it with a cosocket, the broker worker's client
+-- without one; each publishes and receives events. See docs/events.md.
 
 
 local ffi = require "ffi"
@@ -66,6 +66,7 @@ local READ_SIZE = frame.READ_SIZE
 local YIELD_BYTES = frame.YIELD_BYTES
 local WRITE_MAX = frame.WRITE_MAX
 local EXACT_MIN = frame.EXACT_MIN
+local CHUNK = frame.CHUNK
 local SLICE = 256                   -- events handled between yields
 local CONNECT_TIMEOUT = 2
 local SEND_TIMEOUT = 30
@@ -256,6 +257,7 @@ function _M.new(opts)
         others_seq = 0,
         direct_seq = {},
         unsent = buf_new(65536),
+        spare = buf_new(65536),     -- the broker worker's second unsent
         unsent_q = fifo.new(),      -- (seq, bytes) per unsent event
         unacked = buf_new(65536),
         unacked_q = fifo.new(),     -- (seq, bytes) per sent event
@@ -556,25 +558,91 @@ local function on_ack(self, seq)
 end
 
 
+-- Handles the whole frames at the front of rbuf (st collects a chunked
+-- event across calls). Returns the bytes still missing of the next frame
+-- (0: unknown), or nil and what was wrong.
+local function consume(self, rbuf, st)
+    local max_event = self.opts.max_payload + EVENT_SIZE + UNIQUE_KEY_MAX
+    while true do
+        local h, pp, size = frame.peek(rbuf, CHUNK)
+        if h == nil then
+            return pp
+        end
+        if h == false then
+            return nil, pp
+        end
+        local typ = h.type
+        local ok, err
+        if typ == T_EVENT then
+            local plen = h.len
+            local seq = frame_seq(h)
+            local partial = st.partial
+            if partial then
+                if seq ~= st.partial_seq then
+                    return nil, "interleaved chunks"
+                end
+                partial:putcdata(pp, plen)
+                if #partial > max_event then
+                    return nil, "event too large"
+                end
+                if h.flags == 0 then
+                    local fp, flen = partial:ref()
+                    ok, err = receive_event(self, seq, fp, flen)
+                    st.partial = nil
+                    if not ok then
+                        return nil, err
+                    end
+                end
+            elseif h.flags == FLAG_MORE then
+                partial = buf_new(2 * CHUNK)
+                partial:putcdata(pp, plen)
+                st.partial, st.partial_seq = partial, seq
+            else
+                ok, err = receive_event(self, seq, pp, plen)
+                if not ok then
+                    return nil, err
+                end
+            end
+
+        elseif typ == T_ACK then
+            on_ack(self, frame_seq(h))
+
+        elseif typ == T_REJECT then
+            local _, reason = pcall(frame.decode_control, pp, h.len)
+            return nil, "rejected by the broker: " .. tostring(reason)
+
+        elseif typ ~= T_PONG then
+            -- (a pong needs nothing: arriving resets the read timeout,
+            -- which is the heartbeat)
+            return nil, "unexpected frame type " .. tostring(typ)
+        end
+        rbuf:skip(size)
+    end
+end
+
+
+-- back-pressure: no more events while the handlers are behind
+local function wait_inbox_room(self, link)
+    while inbox_len(self) >= self.opts.max_queue and not link.closed do
+        self.rwaiters = self.rwaiters + 1
+        self.rspace:wait(1)
+        self.rwaiters = self.rwaiters - 1
+    end
+end
+
+
 local function reader(self, sock, link)
     local rbuf = buf_new(READ_SIZE)
     local need = 0
     local since_yield = 0
-    local partial, partial_seq
-    local max_frame = frame.CHUNK
-    local max_event = self.opts.max_payload + EVENT_SIZE + UNIQUE_KEY_MAX
+    local st = {}
     -- the broker answers our pings: silence this long means it is gone;
     -- a send may wait longer while the broker is busy with a slow worker
     sock:settimeouts(CONNECT_TIMEOUT * 1000, SEND_TIMEOUT * 1000,
                      self.opts.heartbeat * 3000)
 
     while true do
-        -- back-pressure: stop reading while the handlers are behind
-        while inbox_len(self) >= self.opts.max_queue do
-            self.rwaiters = self.rwaiters + 1
-            self.rspace:wait(1)
-            self.rwaiters = self.rwaiters - 1
-        end
+        wait_inbox_room(self, link)
 
         -- the rest of a frame, or what is there: see frame.lua for why
         local data, err
@@ -589,69 +657,17 @@ local function reader(self, sock, link)
         if not data then
             return nil, err == "timeout" and "broker heartbeat timeout"
                         or err
-        else
-            rbuf:put(data)
-            while true do
-                local h, pp, size = frame.peek(rbuf, max_frame)
-                if h == nil then
-                    need = pp
-                    break
-                end
-                if h == false then
-                    return nil, pp
-                end
-                local typ = h.type
-                local ok
-                if typ == T_EVENT then
-                    local plen = h.len
-                    local seq = frame_seq(h)
-                    if partial then
-                        if seq ~= partial_seq then
-                            return nil, "interleaved chunks"
-                        end
-                        partial:putcdata(pp, plen)
-                        if #partial > max_event then
-                            return nil, "event too large"
-                        end
-                        if h.flags == 0 then
-                            local fp, flen = partial:ref()
-                            ok, err = receive_event(self, seq, fp, flen)
-                            partial = nil
-                            if not ok then
-                                return nil, err
-                            end
-                        end
-                    elseif h.flags == FLAG_MORE then
-                        partial = buf_new(2 * max_frame)
-                        partial_seq = seq
-                        partial:putcdata(pp, plen)
-                    else
-                        ok, err = receive_event(self, seq, pp, plen)
-                        if not ok then
-                            return nil, err
-                        end
-                    end
-
-                elseif typ == T_ACK then
-                    on_ack(self, frame_seq(h))
-
-                elseif typ == T_REJECT then
-                    local _, reason = pcall(frame.decode_control, pp, h.len)
-                    return nil, "rejected by the broker: " .. tostring(reason)
-
-                elseif typ ~= T_PONG then
-                    -- (a pong needs nothing: arriving resets the read
-                    -- timeout, which is the heartbeat)
-                    return nil, "unexpected frame type " .. tostring(typ)
-                end
-                rbuf:skip(size)
-            end
-            since_yield = since_yield + #data
-            if since_yield >= YIELD_BYTES then
-                -- a long run of reads: let requests in
-                since_yield = 0
-                yield()
-            end
+        end
+        rbuf:put(data)
+        need, err = consume(self, rbuf, st)
+        if not need then
+            return nil, err
+        end
+        since_yield = since_yield + #data
+        if since_yield >= YIELD_BYTES then
+            -- a long run of reads: let requests in
+            since_yield = 0
+            yield()
         end
     end
 end
@@ -729,6 +745,69 @@ local function writer(self, sock, link)
             last_send = ngx_now()
         end
     end
+end
+
+
+-- The broker worker's writer: hands all that is queued to the broker in
+-- this process. Nothing waits for acknowledgement: what the broker holds
+-- dies with this process, and so does its publisher.
+local function local_writer(self, link)
+    while true do
+        if #self.unsent == 0 then
+            if self.stopping or link.closed then
+                return true
+            end
+            self.writer_idle = true
+            self.wsema:wait(1)
+            self.writer_idle = false
+        end
+        if #self.unsent > 0 then
+            local uq = self.unsent_q
+            local first, n = uq:peek(), uq:len()
+            local bytes = #self.unsent
+            uq:clear()
+            -- publishes go on into the spare buffer while the broker takes
+            -- this one (it may wait for a slow worker)
+            local batch = self.unsent
+            self.unsent, self.spare = self.spare, batch
+            if self.own.n > 0 then
+                release_own(self, first, self.seq, true)
+            end
+            local ok, err = broker.take_local(self, link.conn, batch)
+            batch:reset()
+            if not ok then
+                -- frames we made ourselves: a bug, not a peer's fault
+                log(ERR, "failed to hand events to the broker: ", err)
+            end
+            self.pending = self.pending - n
+            self.pending_bytes = self.pending_bytes - bytes
+            if self.waiters > 0 then
+                self.space:post(min(n, self.waiters))
+            end
+        end
+    end
+end
+
+
+-- The broker worker talks to the broker without a socket.
+local function run_local(self)
+    local link = { closed = false }
+    local st = {}
+    link.conn = broker.attach_local(self, function(batch)
+        wait_inbox_room(self, link)
+        local need, err = consume(self, batch, st)
+        if not need then
+            return nil, err
+        end
+        return true
+    end)
+    self.connected = true
+    self.ready = true
+    local_writer(self, link)
+    link.closed = true
+    self.rspace:post(1)
+    broker.detach_local(self, link.conn)
+    self.connected = false
 end
 
 
@@ -820,6 +899,11 @@ end
 
 local function client_loop(premature, self)
     if premature then
+        return
+    end
+    if self.worker == self.opts.broker then
+        run_local(self)
+        self.isema:post(1)
         return
     end
     local backoff = 0.01
@@ -1263,7 +1347,8 @@ function _M.stats(self)
         rejected = s.rejected,
         queue = {
             unsent = self.unsent_q:len(),
-            unacked = self.unacked_q:len(),
+            -- (the broker worker has nothing unacked: see local_writer)
+            unacked = self.pending - self.unsent_q:len(),
             pending_bytes = self.pending_bytes,
             inbox = inbox_len(self),
         },

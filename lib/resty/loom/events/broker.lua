@@ -1,6 +1,7 @@
 -- The broker side of the bus: runs in one worker, serves each worker's
--- connection (one request on the `listen unix:` server each), and
--- forwards events to per-worker queues. A publisher's events are
+-- connection (one request on the `listen unix:` server each; its own
+-- worker's client is linked in-process), and forwards events to
+-- per-worker queues. A publisher's events are
 -- acknowledged once they have been written to every connected target's
 -- socket, so the publisher can re-send what was not acknowledged after a
 -- broker crash. Queues are keyed by worker id and outlive connections, so
@@ -52,6 +53,7 @@ local READ_SIZE = frame.READ_SIZE
 local YIELD_BYTES = frame.YIELD_BYTES
 local WRITE_MAX = frame.WRITE_MAX
 local EXACT_MIN = frame.EXACT_MIN
+local CHUNK = frame.CHUNK
 local HELLO_TIMEOUT = 2            -- seconds to send a valid hello
 local SEND_TIMEOUT = 60            -- seconds a write to a busy worker may take
 local LOG_INTERVAL = 10            -- seconds between repeated warnings
@@ -175,7 +177,7 @@ local function send_acks(b)
     local low = watermark(b, b.slow_timeout)
     for _, q in pairs(b.queues) do
         local c = q.conn
-        if c and c.ackq:len() > 0 then
+        if c and c.ackq and c.ackq:len() > 0 then
             local last
             while true do
                 local bidx, seq = c.ackq:peek()
@@ -216,6 +218,44 @@ local function restore(q, c)
 end
 
 
+-- Sends what is queued in writes of whole frames up to WRITE_MAX bytes
+-- (see frame.lua), the rest staying at the front of the buffer (so a
+-- failed write restores just one). Returns false when the send failed.
+local function send_queued(q, c)
+    local sock = c.sock
+    local left = #q.buf
+    while left > 0 do
+        local data = q.buf:get(frame.whole_frames(q.buf,
+            left < WRITE_MAX and left or WRITE_MAX))
+        left = left - #data
+        c.inflight = data
+        local ok, err = sock:send(data)
+        if not ok then
+            restore(q, c)
+            c.closed = true
+            c.error = "failed to send: " .. err
+            return false
+        end
+    end
+    c.inflight = nil
+    return true
+end
+
+
+-- the broker worker's own handlers take what is queued in this process
+-- (enqueue fills the spare buffer meanwhile)
+local function deliver_queued(q, c)
+    local batch = q.buf
+    q.buf, c.spare = c.spare, batch
+    local ok, err = c.deliver(batch)
+    batch:reset()
+    if not ok then
+        -- frames we made ourselves: a bug, not a peer's fault
+        log(ERR, "failed to deliver to this worker: ", err)
+    end
+end
+
+
 local function writer(b, q, c)
     local sock = c.sock
     local sema = q.data_sema
@@ -238,10 +278,7 @@ local function writer(b, q, c)
             end
         end
         if #q.buf > 0 then
-            -- what is queued now is one batch for the acks; it goes out in
-            -- writes of whole frames up to WRITE_MAX bytes (see frame.lua),
-            -- the rest staying at the front of the buffer (so a failed
-            -- write restores just one)
+            -- what is queued now is one batch for the acks
             local bidx = q.first_bidx
             q.inflight_bidx = bidx
             q.first_bidx = nil
@@ -249,21 +286,11 @@ local function writer(b, q, c)
             q.n = 0
             c.inflight_n, c.inflight_bidx = events, bidx
             q.send_since = ngx_now()
-            local left = #q.buf
-            while left > 0 do
-                local data = q.buf:get(frame.whole_frames(q.buf,
-                    left < WRITE_MAX and left or WRITE_MAX))
-                left = left - #data
-                c.inflight = data
-                local ok, err = sock:send(data)
-                if not ok then
-                    restore(q, c)
-                    c.closed = true
-                    c.error = "failed to send: " .. err
-                    return
-                end
+            if c.deliver then
+                deliver_queued(q, c)
+            elseif not send_queued(q, c) then
+                return
             end
-            c.inflight = nil
             q.inflight_bidx = nil
             q.send_since = nil
             if events > 0 then
@@ -395,9 +422,82 @@ local function forward(bus, b, c, seq, p, len)
     end
 
     -- only now: the enqueues above may have waited, and the ack must not
-    -- overtake an event that is in no queue yet
-    c.ackq:push(bidx, seq)
+    -- overtake an event that is in no queue yet (our own worker needs no
+    -- acks: its events die with the broker)
+    local ackq = c.ackq
+    if ackq then
+        ackq:push(bidx, seq)
+    end
     return true
+end
+
+
+-- Handles the whole frames at the front of rbuf, from c's worker (a
+-- chunked event is collected in c.partial across calls). Returns the
+-- bytes still missing of the next frame (0: unknown), true when the
+-- worker said bye, or nil and what was wrong.
+local function consume(bus, b, c, rbuf)
+    local max_event = bus.opts.max_payload + EVENT_SIZE + 1024
+    while true do
+        local h, pp, size = frame.peek(rbuf, CHUNK)
+        if h == nil then
+            return pp
+        end
+        if h == false then
+            return nil, pp
+        end
+        local typ = h.type
+        if typ == T_EVENT then
+            local seq = frame_seq(h)
+            local flags = h.flags
+            local plen = h.len
+            local partial = c.partial
+            if partial then
+                if seq ~= c.partial_seq then
+                    return nil, "interleaved chunks"
+                end
+                partial:putcdata(pp, plen)
+                if #partial > max_event then
+                    return nil, "payload too large"
+                end
+                if flags == 0 then
+                    local fp, flen = partial:ref()
+                    local ok, why = forward(bus, b, c, seq, fp, flen)
+                    c.partial = nil
+                    if not ok then
+                        return nil, why
+                    end
+                end
+            elseif flags == FLAG_MORE then
+                if plen < EVENT_SIZE then
+                    return nil, "short event"
+                end
+                partial = buf_new(2 * CHUNK)
+                partial:putcdata(pp, plen)
+                c.partial, c.partial_seq = partial, seq
+            else
+                local ok, why = forward(bus, b, c, seq, pp, plen)
+                if not ok then
+                    return nil, why
+                end
+            end
+
+        elseif typ == T_PING then
+            frame.put_empty(c.ctl, T_PONG, frame_seq(h))
+            wake_writer(c.q)
+
+        elseif typ == T_BYE then
+            -- the worker is leaving and has sent all it had; it reads
+            -- until we close
+            return true
+
+        elseif typ ~= T_ACK and typ ~= T_PONG then
+            -- (the client never acks the broker; a stray ack or pong is
+            -- harmless)
+            return nil, "unexpected frame type " .. tostring(typ)
+        end
+        rbuf:skip(size)
+    end
 end
 
 
@@ -405,15 +505,11 @@ end
 local function reader(bus, b, c)
     local sock = c.sock
     local rbuf = c.rbuf
-    local opts = bus.opts
-    local max_frame = frame.CHUNK
-    local partial = nil
-    local partial_seq
 
     -- clients ping twice per heartbeat: silence this long means trouble;
     -- a send may wait much longer for a subscriber that is busy
     sock:settimeouts(HELLO_TIMEOUT * 1000, SEND_TIMEOUT * 1000,
-                     opts.heartbeat * 3000)
+                     bus.opts.heartbeat * 3000)
 
     local need = 0
     local since_yield = 0
@@ -431,77 +527,23 @@ local function reader(bus, b, c)
         end
         if not data then
             return nil, err == "timeout" and "heartbeat timeout" or err
-        else
-            rbuf:put(data)
-            while true do
-                local h, pp, size = frame.peek(rbuf, max_frame)
-                if h == nil then
-                    need = pp
-                    break
-                end
-                if h == false then
-                    return nil, pp
-                end
-                local typ = h.type
-                if typ == T_EVENT then
-                    local seq = frame_seq(h)
-                    local flags = h.flags
-                    local plen = h.len
-                    if partial then
-                        if seq ~= partial_seq then
-                            return nil, "interleaved chunks"
-                        end
-                        partial:putcdata(pp, plen)
-                        if #partial > opts.max_payload + EVENT_SIZE + 1024
-                        then
-                            return nil, "payload too large"
-                        end
-                        if flags == 0 then
-                            local fp, flen = partial:ref()
-                            local ok, why = forward(bus, b, c, seq, fp, flen)
-                            partial = nil
-                            if not ok then
-                                return nil, why
-                            end
-                        end
-                    elseif flags == FLAG_MORE then
-                        if plen < EVENT_SIZE then
-                            return nil, "short event"
-                        end
-                        partial = buf_new(2 * max_frame)
-                        partial_seq = seq
-                        partial:putcdata(pp, plen)
-                    else
-                        local ok, why = forward(bus, b, c, seq, pp, plen)
-                        if not ok then
-                            return nil, why
-                        end
-                    end
-
-                elseif typ == T_PING then
-                    frame.put_empty(c.ctl, T_PONG, frame_seq(h))
-                    wake_writer(c.q)
-
-                elseif typ == T_BYE then
-                    -- the worker is leaving and has sent all it had; it
-                    -- reads until we close
-                    return true
-
-                elseif typ ~= T_ACK and typ ~= T_PONG then
-                    -- (the client never acks the broker; a stray ack or
-                    -- pong is harmless)
-                    return nil, "unexpected frame type " .. tostring(typ)
-                end
-                rbuf:skip(size)
-            end
-            -- once per read, not per event: acks for what is written
-            send_acks(b)
-            since_yield = since_yield + #data
-            if since_yield >= YIELD_BYTES then
-                -- a long run of reads: let requests in
-                since_yield = 0
-                yield()
-            end
+        end
+        rbuf:put(data)
+        local why
+        need, why = consume(bus, b, c, rbuf)
+        if need == true then
+            return true
+        end
+        if not need then
+            return nil, why
+        end
+        -- once per read, not per event: acks for what is written
+        send_acks(b)
+        since_yield = since_yield + #data
+        if since_yield >= YIELD_BYTES then
+            -- a long run of reads: let requests in
+            since_yield = 0
+            yield()
         end
     end
 end
@@ -675,6 +717,66 @@ function _M.serve(bus)
     b.stats.connections = b.stats.connections - 1
     send_acks(b)
     return ngx_exit(444)
+end
+
+
+-- The broker worker's own link: no socket, no acks. deliver(buf) hands
+-- the whole frames in buf to this worker's handlers and returns true, or
+-- nil and an error. Starts the writer in the caller's context; returns the
+-- link for take_local() and detach_local().
+function _M.attach_local(bus, deliver)
+    local b = state(bus)
+    local wid = ngx.worker.id()
+    local q = queue(b, wid)
+    if q.conn then
+        -- a connection claiming our id: not from this process
+        q.conn.closed = true
+        q.data_sema:post(1)
+    end
+    local c = {
+        wid = wid,
+        pid = ngx.worker.pid(),
+        q = q,
+        ctl = buf_new(64),      -- stays empty: no pings, no acks
+        spare = buf_new(65536),
+        deliver = deliver,
+        closed = false,
+    }
+    q.conn = c
+    b.stats.accepted = b.stats.accepted + 1
+    b.stats.connections = b.stats.connections + 1
+    c.thread = spawn(writer, b, q, c)
+    return c
+end
+
+
+-- Forwards the events in buf (whole frames, as the client writer makes
+-- them) from this worker; may wait for a slow worker's queue. Returns
+-- true, or nil and an error.
+function _M.take_local(bus, c, buf)
+    local b = bus.broker_state
+    local need, err = consume(bus, b, c, buf)
+    if not need then
+        return nil, err
+    end
+    send_acks(b)
+    return true
+end
+
+
+function _M.detach_local(bus, c)
+    local b = bus.broker_state
+    local q = c.q
+    c.closed = true
+    q.data_sema:post(1)
+    ngx.thread.wait(c.thread)
+    if q.conn == c then
+        q.conn = nil
+        q.inflight_bidx = nil
+        q.send_since = nil
+    end
+    b.stats.connections = b.stats.connections - 1
+    send_acks(b)
 end
 
 

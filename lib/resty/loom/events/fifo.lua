@@ -89,6 +89,11 @@ function _M.pop(self)
 end
 
 
+function _M.clear(self)
+    self.head, self.n = 1, 0
+end
+
+
 -- moves every pair, in order, to the end of dst
 function _M.move_to(self, dst)
     local n = self.n
