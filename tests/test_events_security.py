@@ -80,16 +80,30 @@ def test_other_uid_refused(nginx):
     n.allow_log(r"rejected a connection: peer uid")
 
 
+def raw_from(n, wid, kind, tries=400):
+    """Runs the raw client of that kind in worker wid: it says hello as
+    that worker, with its pid."""
+    for _ in range(tries):
+        r = n.get("/raw?only=%d&kind=%s" % (wid, kind))
+        if r.status != 409:
+            return r.text.strip()
+    raise AssertionError("no request reached worker %d" % wid)
+
+
 def test_bad_frames_closed_and_counted(nginx):
     n = nginx(workers=2, http=ec.http(), server=RAW)
     n.allow_log(r"rejected a connection|closed worker \d's connection")
     ec.wait_ready(n)
     broker_pid = ec.states(n)[0]["pid"]
     for kind in KINDS:
-        r = n.get("/raw?kind=" + kind)
-        assert r.text.strip() == "closed", (kind, r.text)
+        assert raw_from(n, 1, kind) == "closed", kind
+    # from the broker worker, as the broker worker: its own client is
+    # linked in-process, so the id is in use whatever the pid says, and
+    # the link survives (it once took the link over and worker 0 went deaf)
+    assert raw_from(n, 0, "oversize") == "closed"
     st = ec.wait_ready(n)
     rejected = st[0]["stats"]["broker"]["rejected"]
+    assert rejected.get("worker id in use") == 1
     assert rejected.get("wrong version") == 2   # garbage, version
     assert rejected.get("bad hello") == 2       # not_hello, hello_garbage
     assert rejected.get("hello pid differs from peer") == 1

@@ -75,6 +75,13 @@ local KINDS = {
 
 function _M.handle()
     local kind = ngx.var.arg_kind
+    local only = tonumber(ngx.var.arg_only)
+    if only and only ~= ngx.worker.id() then
+        -- the test wants this run from another worker
+        ngx.status = 409
+        ngx.say("worker ", ngx.worker.id())
+        return
+    end
     local sock = ngx.socket.tcp()
     sock:settimeout(3000)
     assert(sock:connect("unix:" .. ngx.config.prefix() .. "sock/bus.sock"))

@@ -656,8 +656,11 @@ function _M.serve(bus)
     end
 
     local q = queue(b, wid)
-    if q.conn and q.conn.pid ~= pid
-       and C.ngx_loom_ffi_is_sibling(q.conn.pid) == 1 then
+    -- (the broker worker's own client is linked in-process: its id never
+    -- comes over a socket, whatever the pid)
+    if wid == opts.broker
+       or (q.conn and q.conn.pid ~= pid
+           and C.ngx_loom_ffi_is_sibling(q.conn.pid) == 1) then
         reject(b, sock, "worker id in use", tostring(wid))
         return ngx_exit(444)
     end
