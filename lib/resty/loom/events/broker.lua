@@ -1,11 +1,12 @@
 -- The broker side of the bus: runs in one worker, serves each worker's
 -- connection (one request on the `listen unix:` server each; its own
 -- worker's client is linked in-process), and forwards events to
--- per-worker queues. A publisher's events are
--- acknowledged once they have been written to every connected target's
--- socket, so the publisher can re-send what was not acknowledged after a
--- broker crash. Queues are keyed by worker id and outlive connections, so
--- a restarting worker gets what was published while it was down.
+-- per-worker queues. A publisher's events are acknowledged once they have
+-- been written to every connected target's socket (or taken by the broker
+-- worker's handler queue), so the publisher can re-send what was not
+-- acknowledged after a broker crash. Queues are keyed by worker id and
+-- outlive connections, so a restarting worker gets what was published
+-- while it was down.
 
 
 local ffi = require "ffi"
