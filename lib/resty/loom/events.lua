@@ -562,7 +562,7 @@ end
 -- event across calls). Returns the bytes still missing of the next frame
 -- (0: unknown), or nil and what was wrong.
 local function consume(self, rbuf, st)
-    local max_event = self.opts.max_payload + EVENT_SIZE + UNIQUE_KEY_MAX
+    local max_payload = self.opts.max_payload
     while true do
         local h, pp, size = frame.peek(rbuf, CHUNK)
         if h == nil then
@@ -574,34 +574,24 @@ local function consume(self, rbuf, st)
         local typ = h.type
         local ok, err
         if typ == T_EVENT then
-            local plen = h.len
             local seq = frame_seq(h)
-            local partial = st.partial
-            if partial then
-                if seq ~= st.partial_seq then
-                    return nil, "interleaved chunks"
-                end
-                partial:putcdata(pp, plen)
-                if #partial > max_event then
-                    return nil, "event too large"
-                end
-                if h.flags == 0 then
-                    local fp, flen = partial:ref()
-                    ok, err = receive_event(self, seq, fp, flen)
-                    st.partial = nil
-                    if not ok then
-                        return nil, err
-                    end
-                end
-            elseif h.flags == FLAG_MORE then
-                partial = buf_new(2 * CHUNK)
-                partial:putcdata(pp, plen)
-                st.partial, st.partial_seq = partial, seq
-            else
-                ok, err = receive_event(self, seq, pp, plen)
-                if not ok then
+            if st.partial or h.flags == FLAG_MORE then
+                local whole
+                whole, err = frame.collect(st, seq, h, pp, max_payload)
+                if whole == false then
                     return nil, err
                 end
+                ok = true
+                if whole then
+                    local fp, flen = whole:ref()
+                    ok, err = receive_event(self, seq, fp, flen)
+                    st.partial = nil
+                end
+            else
+                ok, err = receive_event(self, seq, pp, h.len)
+            end
+            if not ok then
+                return nil, err
             end
 
         elseif typ == T_ACK then

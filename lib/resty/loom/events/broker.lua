@@ -438,7 +438,7 @@ end
 -- bytes still missing of the next frame (0: unknown), true when the
 -- worker said bye, or nil and what was wrong.
 local function consume(bus, b, c, rbuf)
-    local max_event = bus.opts.max_payload + EVENT_SIZE + 1024
+    local max_payload = bus.opts.max_payload
     while true do
         local h, pp, size = frame.peek(rbuf, CHUNK)
         if h == nil then
@@ -450,37 +450,23 @@ local function consume(bus, b, c, rbuf)
         local typ = h.type
         if typ == T_EVENT then
             local seq = frame_seq(h)
-            local flags = h.flags
-            local plen = h.len
-            local partial = c.partial
-            if partial then
-                if seq ~= c.partial_seq then
-                    return nil, "interleaved chunks"
-                end
-                partial:putcdata(pp, plen)
-                if #partial > max_event then
-                    return nil, "payload too large"
-                end
-                if flags == 0 then
-                    local fp, flen = partial:ref()
-                    local ok, why = forward(bus, b, c, seq, fp, flen)
-                    c.partial = nil
-                    if not ok then
-                        return nil, why
-                    end
-                end
-            elseif flags == FLAG_MORE then
-                if plen < EVENT_SIZE then
-                    return nil, "short event"
-                end
-                partial = buf_new(2 * CHUNK)
-                partial:putcdata(pp, plen)
-                c.partial, c.partial_seq = partial, seq
-            else
-                local ok, why = forward(bus, b, c, seq, pp, plen)
-                if not ok then
+            local ok, why = true
+            if c.partial or h.flags == FLAG_MORE then
+                local whole
+                whole, why = frame.collect(c, seq, h, pp, max_payload)
+                if whole == false then
                     return nil, why
                 end
+                if whole then
+                    local fp, flen = whole:ref()
+                    ok, why = forward(bus, b, c, seq, fp, flen)
+                    c.partial = nil
+                end
+            else
+                ok, why = forward(bus, b, c, seq, pp, h.len)
+            end
+            if not ok then
+                return nil, why
             end
 
         elseif typ == T_PING then
@@ -587,6 +573,30 @@ local function read_hello(sock)
 end
 
 
+-- c takes q over: the connection that held it (a process with this id
+-- that is gone, or lost its connection) is closed
+local function attach(b, q, c)
+    if q.conn then
+        q.conn.closed = true
+        q.data_sema:post(1)
+    end
+    q.conn = c
+    b.stats.accepted = b.stats.accepted + 1
+    b.stats.connections = b.stats.connections + 1
+end
+
+
+local function detach(b, q, c)
+    if q.conn == c then
+        q.conn = nil
+        q.inflight_bidx = nil
+        q.send_since = nil
+    end
+    b.stats.connections = b.stats.connections - 1
+    send_acks(b)
+end
+
+
 -- Serves one worker's connection; called from content_by_lua on the bus's
 -- `listen unix:` server. Returns when the connection ends.
 function _M.serve(bus)
@@ -665,13 +675,6 @@ function _M.serve(bus)
         reject(b, sock, "worker id in use", tostring(wid))
         return ngx_exit(444)
     end
-    if q.conn then
-        -- the process with this id is gone (or lost its connection): the
-        -- new connection takes over the queue
-        q.conn.closed = true
-        q.data_sema:post(1)
-    end
-
     local c = {
         sock = sock,
         wid = wid,
@@ -682,9 +685,7 @@ function _M.serve(bus)
         ctl = buf_new(256),     -- acks and pongs, sent ahead of events
         closed = false,
     }
-    q.conn = c
-    b.stats.accepted = b.stats.accepted + 1
-    b.stats.connections = b.stats.connections + 1
+    attach(b, q, c)
 
     -- the welcome goes first, before anything queued for this worker
     local out = buf_new()
@@ -713,13 +714,7 @@ function _M.serve(bus)
         end
     end
 
-    if q.conn == c then
-        q.conn = nil
-        q.inflight_bidx = nil
-        q.send_since = nil
-    end
-    b.stats.connections = b.stats.connections - 1
-    send_acks(b)
+    detach(b, q, c)
     return ngx_exit(444)
 end
 
@@ -732,11 +727,6 @@ function _M.attach_local(bus, deliver)
     local b = state(bus)
     local wid = ngx.worker.id()
     local q = queue(b, wid)
-    if q.conn then
-        -- a connection claiming our id: not from this process
-        q.conn.closed = true
-        q.data_sema:post(1)
-    end
     local c = {
         wid = wid,
         pid = ngx.worker.pid(),
@@ -746,9 +736,7 @@ function _M.attach_local(bus, deliver)
         deliver = deliver,
         closed = false,
     }
-    q.conn = c
-    b.stats.accepted = b.stats.accepted + 1
-    b.stats.connections = b.stats.connections + 1
+    attach(b, q, c)
     c.thread = spawn(writer, b, q, c)
     return c
 end
@@ -774,13 +762,7 @@ function _M.detach_local(bus, c)
     c.closed = true
     q.data_sema:post(1)
     ngx.thread.wait(c.thread)
-    if q.conn == c then
-        q.conn = nil
-        q.inflight_bidx = nil
-        q.send_since = nil
-    end
-    b.stats.connections = b.stats.connections - 1
-    send_acks(b)
+    detach(b, q, c)
 end
 
 

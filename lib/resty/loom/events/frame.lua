@@ -330,6 +330,33 @@ function _M.seq(h)
 end
 
 
+-- Collects the frames of a chunked event (FLAG_MORE on all but the last)
+-- in st.partial. Returns the buffer holding the whole event once its last
+-- frame is in (the caller drops st.partial when done with it), nil while
+-- frames are missing, or false and what was wrong.
+function _M.collect(st, seq, h, pp, max_payload)
+    local partial = st.partial
+    local plen = h.len
+    if not partial then
+        if plen < EVENT_SIZE then
+            return false, "short event"
+        end
+        partial = buf_new(2 * CHUNK)
+        st.partial, st.partial_seq = partial, seq
+    elseif seq ~= st.partial_seq then
+        return false, "interleaved chunks"
+    end
+    partial:putcdata(pp, plen)
+    if #partial > max_payload + EVENT_SIZE + KEY_MAX then
+        return false, "event too large"
+    end
+    if h.flags == FLAG_MORE then
+        return nil
+    end
+    return partial
+end
+
+
 -- The event header of a complete event payload, or nil and a reason when
 -- its lengths do not add up (never trust a peer's lengths).
 function _M.check_event(p, len)
