@@ -322,3 +322,71 @@ def test_option_validation_and_unsubscribe(nginx):
         assert want in got, (got, want)
     out = n.get("/unsub").text.strip()
     assert out.startswith("1 ") and 'target must be "all"' in out
+
+
+POLL_RACE = ec.SERVER + """
+    location = /pollrace {
+        content_by_lua_block {
+            local bus = require("resty.loom.events").get()
+            local order = {}
+            local id = bus:subscribe("race", "e", function(data)
+                order[#order + 1] = "start " .. data.n
+                if data.n == 1 then
+                    ngx.sleep(0.3)
+                end
+                order[#order + 1] = "end " .. data.n
+            end)
+            bus:publish("current", "race", "e", { n = 1 })
+            bus:publish("current", "race", "e", { n = 2 })
+            -- runs the handlers here, as lua-resty-worker-events users do;
+            -- the handler loop must not start event 2 meanwhile
+            local res = bus:poll()
+            ngx.sleep(0.1)
+            bus:unsubscribe(id)
+            ngx.say(res, ": ", table.concat(order, ", "))
+        }
+    }
+"""
+
+
+def test_poll_and_the_handler_loop_take_turns(nginx):
+    n = nginx(workers=1, http=ec.http(), server=POLL_RACE)
+    ec.wait_ready(n)
+    assert n.get("/pollrace").text.strip() == \
+        "done: start 1, end 1, start 2, end 2"
+
+
+POLL_KILLED = ec.SERVER + """
+    location = /pollkilled {
+        content_by_lua_block {
+            local bus = require("resty.loom.events").get()
+            local order = {}
+            local id = bus:subscribe("race", "e", function(data)
+                order[#order + 1] = "start " .. data.n
+                if data.n == 1 then
+                    ngx.sleep(30)
+                end
+                order[#order + 1] = "end " .. data.n
+            end)
+            bus:publish("current", "race", "e", { n = 1 })
+            local t = ngx.thread.spawn(function() return bus:poll() end)
+            ngx.sleep(0.05)
+            -- the thread running handlers in poll() dies in event 1's
+            ngx.thread.kill(t)
+            t = nil
+            collectgarbage()
+            collectgarbage()
+            bus:publish("current", "race", "e", { n = 2 })
+            ngx.sleep(0.2)
+            bus:unsubscribe(id)
+            ngx.say(table.concat(order, ", "))
+        }
+    }
+"""
+
+
+def test_poll_killed_in_a_handler_holds_nothing_up(nginx):
+    n = nginx(workers=1, http=ec.http(), server=POLL_KILLED)
+    ec.wait_ready(n)
+    assert n.get("/pollkilled").text.strip() == \
+        "start 1, start 2, end 2"

@@ -1,7 +1,10 @@
 """Broker and subscriber crashes, reloads, accept_mutex: exact counts."""
 
+import re
 import signal
 import time
+
+import pytest
 
 import eventsconf as ec
 
@@ -250,3 +253,98 @@ def test_stopped_worker_noticed_by_heartbeat(nginx):
     assert st[2]["pid"] == victim
     assert st[2]["stats"]["reconnects"] >= 1
     assert all(s["stats"]["gaps"] == 0 for s in st.values())
+
+
+def pub_from_broker(n, query):
+    """Publishes from worker 0 (another worker may be stopped: it cannot
+    take the request, and any it took would hang, hence the short
+    timeout)."""
+    for _ in range(400):
+        try:
+            r = n.get("/ev/pub?only=0&" + query, timeout=3)
+        except Exception:  # noqa: BLE001 - taken by the stopped worker
+            continue
+        if r.status == 200:
+            return r.json()
+    raise AssertionError("worker 0 never took the request")
+
+
+# worker 1 freezes itself (SIGSTOP) in the handler of the first "trace"
+# event: it has read that 8 MiB event, and stops reading in a later one
+FREEZE = """
+    if ngx.worker.id() == 1 and not _G.froze then
+        local ffi = require "ffi"
+        pcall(ffi.cdef, "int kill(int pid, int sig);")
+        local bus = require("resty.loom.events").get()
+        bus:subscribe("trace", "e", function(data)
+            if data.n == 1 then
+                _G.froze = true
+                -- the reader goes on meanwhile: it stops at no particular
+                -- frame of the next event
+                ngx.sleep(0.02)
+                ffi.C.kill(ngx.worker.pid(), 19)
+            end
+        end)
+    end
+"""
+
+
+def stopped(pid):
+    with open("/proc/%d/stat" % pid) as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+@pytest.mark.parametrize("end", ["kill", "resume"])
+def test_chunked_event_cut_by_a_failed_write(nginx, end):
+    """The broker's writes to a worker that froze stop in the middle of an
+    8 MiB event (32 frames of 256 KiB; 6 events, 48 MiB, are queued). Then the worker is killed, or it
+    wakes after the broker dropped its connection. The next connection of
+    that worker id (the successor, or the same process reconnecting) gets
+    the rest whole, in order: an event's bytes leave the broker's queue
+    only once all of it is written, so a connection never starts in the
+    middle of one."""
+    n = nginx(workers=2, http=ec.http(
+        "heartbeat = 0.5, max_payload = 16 * 1024 * 1024",
+        extra_worker=FREEZE), server=ec.SERVER)
+    n.allow_log(r"exited on signal 9")
+    n.allow_log(r"\((104: Connection reset by peer|32: Broken pipe)\)")
+    n.allow_log(r"read timed out|heartbeat timeout")
+    st = ec.wait_ready(n)
+    victim = st[1]["pid"]
+    try:
+        r = pub_from_broker(n, "target=1&source=trace&n=6&size=8000000")
+        assert r["ok"] == 6
+        deadline = time.time() + 10
+        while not stopped(victim):
+            assert time.time() < deadline, "worker 1 never froze"
+            time.sleep(0.05)
+        if end == "kill":
+            n.kill(victim, signal.SIGKILL)
+            n.wait_workers(2, exclude=[victim])
+        else:
+            n.wait_log(r"closed worker 1's connection: heartbeat timeout",
+                       timeout=5)
+    finally:
+        if end == "resume":
+            n.kill(victim, signal.SIGCONT)
+    deadline = time.time() + 20
+    while True:
+        st = ec.states(n)
+        trace = st[1]["trace"]
+        if (trace and trace[-1] == 6) or time.time() > deadline:
+            break
+        time.sleep(0.1)
+    if end == "kill":
+        # the successor: what its predecessor had not read whole
+        assert st[1]["pid"] != victim
+        assert trace and trace == list(range(trace[0], 7)), trace
+        assert trace[0] > 1, trace
+    else:
+        assert st[1]["pid"] == victim
+        assert trace == [1, 2, 3, 4, 5, 6], trace
+    assert st[1]["stats"]["gaps"] == 0
+    # (a cut event is garbage to its reader: this is how that shows)
+    assert not re.search(r"lost the broker: (unique key|bad event|chunk|"
+                         r"short event|interleaved|undecodable)",
+                         n.error_log())
+    assert st[0]["stats"]["broker"]["dropped"] == {}

@@ -212,3 +212,66 @@ def test_wait_policy_lets_requests_in_during_a_burst(nginx):
     m = nginx(workers=2, http=ec.http('overflow = "reject"'), server=BURST)
     ec.wait_ready(m)
     assert m.get("/burst").text.strip() == "never"
+
+
+# worker 1 answers every "flood" event with a "reply" to worker 0, from
+# the handler, and records how long its longest publish waited
+REPLY = """
+    if ngx.worker.id() == 1 then
+        local bus = require("resty.loom.events").get()
+        _G.reply_wait, _G.reply_refused = 0, 0
+        bus:subscribe("flood", "e", function(data)
+            ngx.update_time()
+            local t0 = ngx.now()
+            local ok = bus:publish(0, "reply", "r", { n = data.n })
+            ngx.update_time()
+            _G.reply_wait = math.max(_G.reply_wait, ngx.now() - t0)
+            if not ok then
+                _G.reply_refused = _G.reply_refused + 1
+            end
+        end)
+    end
+"""
+
+REPLY_SERVER = ec.SERVER + """
+    location = /reply {
+        content_by_lua_block {
+            ngx.say(ngx.worker.id(), " ", _G.reply_wait, " ",
+                    _G.reply_refused)
+        }
+    }
+"""
+
+
+def test_handler_publishing_with_wait_policy_does_not_stall(nginx):
+    """A handler that publishes waits for the broker's acks, which come in
+    on the socket its worker stops reading when its handlers are behind:
+    the reader goes on while a handler waits, so the two never wait for
+    each other (until wait_timeout, refusing the publish, while the broker
+    dropped the worker's events as too slow)."""
+    n = nginx(workers=2, http=ec.http(
+        'max_queue = 20, overflow = "wait", wait_timeout = 2',
+        extra_worker=REPLY), server=REPLY_SERVER)
+    ec.wait_ready(n)
+    for _ in range(400):
+        r = n.get("/ev/pub?only=0&target=1&source=flood&n=2000&size=2000",
+                  timeout=30)
+        if r.status == 200:
+            break
+    assert r.json()["ok"] == 2000
+    deadline = time.time() + 20
+    while True:
+        st = ec.states(n)
+        replies = st[0]["received"].get("1:reply:r", 0)
+        if replies == 2000 or time.time() > deadline:
+            break
+        time.sleep(0.1)
+    assert st[1]["received"].get("0:flood:e") == 2000, st[1]["stats"]
+    assert replies == 2000, st[0]["stats"]
+    assert st[0]["stats"]["broker"]["dropped"] == {}
+    for _ in range(400):
+        wid, wait, refused = n.get("/reply").text.split()
+        if wid == "1":
+            break
+    assert refused == "0"
+    assert float(wait) < 1, wait

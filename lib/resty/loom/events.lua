@@ -16,6 +16,7 @@ local yield = require("resty.loom.yield").yield
 
 local C = ffi.C
 local frame_seq = frame.seq
+local frame_part = frame.part
 local ngx = ngx
 local ngx_log = ngx.log
 local ngx_now = ngx.now
@@ -40,6 +41,7 @@ local str_sub = string.sub
 local str_byte = string.byte
 local random = math.random
 local min = math.min
+local co_running = coroutine.running
 
 local ERR = ngx.ERR
 local WARN = ngx.WARN
@@ -99,6 +101,7 @@ local DEFAULTS = {
 }
 
 local OVERFLOW = { reject = true, drop_oldest = true, wait = true }
+local WEAK_VALUES = { __mode = "v" }
 
 
 ffi.cdef [[
@@ -265,8 +268,8 @@ function _M.new(opts)
         pending_bytes = 0,
         wsema = semaphore.new(),    -- data to send
         writer_idle = false,        -- the writer waits on wsema
-        space = semaphore.new(),    -- room in the queue
-        waiters = 0,
+        space = semaphore.new(),    -- room in the queue (its waiters:
+                                    -- -count(), right if one is killed)
         burst = 0,                  -- publishes since burst_at (ngx.now())
         burst_at = 0,
         stamp_ms = 0,               -- ngx.now() of the last latency sample
@@ -281,6 +284,11 @@ function _M.new(opts)
         own = ring.new(),
         isema = semaphore.new(),
         handler_idle = false,       -- the handler loop waits on isema
+        -- [1]: the coroutine running handlers (the handler loop, or a
+        -- request in poll()), one at a time; .waiting: it waits for room
+        -- to publish. Weak, so that a request killed in a handler that
+        -- yielded holds nothing up once it is collected.
+        dispatch = setmetatable({ waiting = false }, WEAK_VALUES),
         rspace = semaphore.new(),
         rwaiters = 0,
         -- per publisher incarnation: last seq seen, last stream seqs
@@ -444,8 +452,9 @@ local function dispatch(self, source, event, data, wid, pid)
 end
 
 
--- runs the handlers of the next event in the inbox; false when empty
-local function dispatch_next(self)
+-- runs the handlers of the next event in the inbox in coroutine me (the
+-- caller's: coroutine.running() would stitch the trace); false when empty
+local function dispatch_next(self, me)
     local source, event, data, wid, latency, pid = self.inbox:pop()
     if not source then
         return false
@@ -456,9 +465,10 @@ local function dispatch_next(self)
     if self.rwaiters > 0 then
         self.rspace:post(1)
     end
-    self.dispatching = true
+    local d = self.dispatch
+    d[1], d.waiting = me, false
     dispatch(self, source, event, data, wid, pid)
-    self.dispatching = false
+    d[1] = nil
     return true
 end
 
@@ -468,8 +478,15 @@ local function handler_loop(premature, self)
         return
     end
     local run = 0
+    local me = co_running()
     while true do
-        if dispatch_next(self) then
+        if self.dispatch[1] then
+            -- poll() runs handlers in a request: one event at a time, so
+            -- wait (whoever pushes next wakes us)
+            self.handler_idle = true
+            self.isema:wait(1)
+            self.handler_idle = false
+        elseif dispatch_next(self, me) then
             run = run + 1
             if run >= SLICE then
                 -- let requests in between long runs of handlers
@@ -552,8 +569,11 @@ local function on_ack(self, seq)
         self.pending_bytes = self.pending_bytes - bytes
         freed = freed + 1
     end
-    if freed > 0 and self.waiters > 0 then
-        self.space:post(min(freed, self.waiters))
+    if freed > 0 then
+        local waiting = -self.space:count()
+        if waiting > 0 then
+            self.space:post(min(freed, waiting))
+        end
     end
 end
 
@@ -575,7 +595,8 @@ local function consume(self, rbuf, st)
         local ok, err
         if typ == T_EVENT then
             local seq = frame_seq(h)
-            if st.partial or h.flags == FLAG_MORE then
+            if st.partial or h.flags == FLAG_MORE
+               or frame_part(h, pp) ~= 0 then
                 local whole
                 whole, err = frame.collect(st, seq, h, pp, max_payload)
                 if whole == false then
@@ -611,9 +632,12 @@ local function consume(self, rbuf, st)
 end
 
 
--- back-pressure: no more events while the handlers are behind
+-- back-pressure: no more events while the handlers are behind, unless a
+-- handler waits for room to publish (see make_room)
 local function wait_inbox_room(self, link)
-    while inbox_len(self) >= self.opts.max_queue and not link.closed do
+    local d = self.dispatch
+    while inbox_len(self) >= self.opts.max_queue and not link.closed
+          and not (d.waiting and d[1]) do
         self.rwaiters = self.rwaiters + 1
         self.rspace:wait(1)
         self.rwaiters = self.rwaiters - 1
@@ -771,8 +795,9 @@ local function local_writer(self, link)
             end
             self.pending = self.pending - n
             self.pending_bytes = self.pending_bytes - bytes
-            if self.waiters > 0 then
-                self.space:post(min(n, self.waiters))
+            local waiting = -self.space:count()
+            if waiting > 0 then
+                self.space:post(min(n, waiting))
             end
         end
     end
@@ -1075,16 +1100,29 @@ local function make_room(self, bytes)
                       .. "event(s); ", self.counters.dropped.oldest, " so far")
         end
     elseif policy == "wait" and WAIT_PHASES[get_phase()] then
+        -- Room comes with the broker's acks, which arrive behind the events
+        -- this worker has not read yet. A handler that waits here holds
+        -- the handlers up, so the reader must go on reading meanwhile, or
+        -- each would wait for the other until wait_timeout.
+        local d = self.dispatch
+        local in_handler = d[1] == co_running()
+        if in_handler then
+            d.waiting = true
+            if self.rwaiters > 0 then
+                self.rspace:post(self.rwaiters)
+            end
+        end
         local deadline = ngx_now() + opts.wait_timeout
         while full(self, bytes) do
             local left = deadline - ngx_now()
             if left <= 0 then
                 break
             end
-            self.waiters = self.waiters + 1
             self.space:wait(left)
-            self.waiters = self.waiters - 1
             waited = true
+        end
+        if in_handler then
+            d.waiting = false
         end
     end
     if full(self, bytes) then
@@ -1305,10 +1343,11 @@ end
 -- context. Returns "done", or "recursive" when called from a handler.
 -- (Handlers also run on their own; this is for code that wants them now.)
 function _M.poll(self)
-    if self.dispatching then
+    if self.dispatch[1] then
         return "recursive"
     end
-    while dispatch_next(self) do
+    local me = co_running()
+    while dispatch_next(self, me) do
         -- keep going until the inbox is empty
     end
     return "done"

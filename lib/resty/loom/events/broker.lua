@@ -17,7 +17,9 @@ local semaphore = require "ngx.semaphore"
 local yield = require("resty.loom.yield").yield
 
 local C = ffi.C
+local ffi_string = ffi.string
 local frame_seq = frame.seq
+local frame_part = frame.part
 local ngx = ngx
 local ngx_log = ngx.log
 local ngx_var = ngx.var
@@ -114,8 +116,10 @@ local function queue(b, wid)
             inflight_bidx = nil,-- oldest event in the send under way
             conn = nil,         -- the connection currently attached
             overflowing = false,-- dropping until the writer catches up
+            writer = nil,       -- the connection whose writer owns buf
             data_sema = semaphore.new(),
             space_sema = semaphore.new(),
+            writer_sema = semaphore.new(),
         }
         b.queues[wid] = q
     end
@@ -164,7 +168,12 @@ local function watermark(b, slow)
     for _, q in pairs(b.queues) do
         if q.conn and not q.overflowing
            and not (q.send_since and now - q.send_since >= slow) then
-            local i = q.inflight_bidx or q.first_bidx
+            -- (first_bidx is the lower one when an enqueue that waited
+            -- put an earlier event behind the send under way)
+            local i, f = q.inflight_bidx, q.first_bidx
+            if f and (not i or f < i) then
+                i = f
+            end
             if i and i < low then
                 low = i
             end
@@ -197,48 +206,63 @@ local function send_acks(b)
 end
 
 
--- Puts a batch whose send failed back in front of the queue, for the next
--- connection of that worker id (a reconnecting process drops what it had
--- already seen by sequence number).
-local function restore(q, c)
-    local data = c.inflight
-    if not data then
-        return
+-- Ends c's turn as q's writer. Whatever of its batch was not written is
+-- still at the front of q.buf (see send_queued): counted again, it goes
+-- to the next connection of that worker id (a reconnecting process drops
+-- what it had already seen by sequence number). Called when the writer
+-- returns, and after it was killed in a send.
+local function release(q, c)
+    local events = c.batch_events
+    if events then
+        c.batch_events = nil
+        q.n = q.n + events - c.written
+        local bidx = c.batch_bidx
+        if bidx and (not q.first_bidx or bidx < q.first_bidx) then
+            q.first_bidx = bidx
+        end
+        q.inflight_bidx = nil
+        q.send_since = nil
     end
-    c.inflight = nil
-    local rest = q.buf:get()
-    q.buf:put(data)
-    q.buf:put(rest)
-    q.n = q.n + c.inflight_n
-    local bidx = c.inflight_bidx
-    if bidx and (not q.first_bidx or bidx < q.first_bidx) then
-        q.first_bidx = bidx
+    if q.writer == c then
+        q.writer = nil
+        local waiting = -q.writer_sema:count()
+        if waiting > 0 then
+            q.writer_sema:post(waiting)
+        end
     end
-    q.inflight_bidx = nil
-    q.send_since = nil
 end
 
 
--- Sends what is queued in writes of whole frames up to WRITE_MAX bytes
--- (see frame.lua), the rest staying at the front of the buffer (so a
--- failed write restores just one). Returns false when the send failed.
-local function send_queued(q, c)
+-- Sends the first `left` bytes of q.buf (the batch: whole events) in
+-- writes of whole frames up to WRITE_MAX bytes (see frame.lua). An
+-- event's bytes leave q.buf only once its last frame is written, so a
+-- failed write leaves whole events in front of the queue: the next
+-- connection must not start in the middle of a chunked event. c.written
+-- counts the events written. Returns false when the send failed.
+local function send_queued(q, c, left)
     local sock = c.sock
-    local left = #q.buf
+    local buf = q.buf
+    local off = 0       -- bytes written of the event still open
     while left > 0 do
-        local data = q.buf:get(frame.whole_frames(q.buf,
-            left < WRITE_MAX and left or WRITE_MAX))
-        left = left - #data
-        c.inflight = data
-        local ok, err = sock:send(data)
+        -- (the pointer again after every send: enqueue appends meanwhile)
+        local p = buf:ref()
+        local size, events, open = frame.whole_frames(p + off, left,
+                                                      WRITE_MAX)
+        local ok, err = sock:send(ffi_string(p + off, size))
         if not ok then
-            restore(q, c)
             c.closed = true
             c.error = "failed to send: " .. err
             return false
         end
+        left = left - size
+        c.written = c.written + events
+        if open then
+            off = off + size
+        else
+            buf:skip(off + size)
+            off = 0
+        end
     end
-    c.inflight = nil
     return true
 end
 
@@ -261,6 +285,15 @@ local function writer(b, q, c)
     local sock = c.sock
     local sema = q.data_sema
     local ctl = c.ctl
+    -- one writer per queue: a connection that took q over from one whose
+    -- send is still under way waits for that writer to let go of q.buf
+    while q.writer and not c.closed do
+        q.writer_sema:wait(1)
+    end
+    if c.closed then
+        return
+    end
+    q.writer = c
     while not c.closed do
         if #q.buf == 0 and #ctl == 0 then
             q.writer_idle = true
@@ -275,7 +308,7 @@ local function writer(b, q, c)
             if not ok then
                 c.closed = true
                 c.error = "failed to send: " .. err
-                return
+                break
             end
         end
         if #q.buf > 0 then
@@ -285,13 +318,14 @@ local function writer(b, q, c)
             q.first_bidx = nil
             local events = q.n
             q.n = 0
-            c.inflight_n, c.inflight_bidx = events, bidx
+            c.batch_events, c.batch_bidx, c.written = events, bidx, 0
             q.send_since = ngx_now()
             if c.deliver then
                 deliver_queued(q, c)
-            elseif not send_queued(q, c) then
-                return
+            elseif not send_queued(q, c, #q.buf) then
+                break
             end
+            c.batch_events = nil
             q.inflight_bidx = nil
             q.send_since = nil
             if events > 0 then
@@ -304,6 +338,7 @@ local function writer(b, q, c)
             end
         end
     end
+    release(q, c)
 end
 
 
@@ -403,7 +438,7 @@ local function forward(bus, b, c, seq, p, len)
         end
 
     elseif target == UNIQUE then
-        local key = ffi.string(p + EVENT_SIZE, e.key_len)
+        local key = ffi_string(p + EVENT_SIZE, e.key_len)
         if seen_unique(b, key, bus.opts.unique_window) then
             b.stats.unique_suppressed = b.stats.unique_suppressed + 1
         else
@@ -451,7 +486,8 @@ local function consume(bus, b, c, rbuf)
         if typ == T_EVENT then
             local seq = frame_seq(h)
             local ok, why = true
-            if c.partial or h.flags == FLAG_MORE then
+            if c.partial or h.flags == FLAG_MORE
+               or frame_part(h, pp) ~= 0 then
                 local whole
                 whole, why = frame.collect(c, seq, h, pp, max_payload)
                 if whole == false then
@@ -700,10 +736,10 @@ function _M.serve(bus)
         local rok, rerr = reader(bus, b, c)
         c.closed = true
         q.data_sema:post(1)
-        -- a writer stuck in a send to a dead peer is stopped here; its
-        -- batch goes back to the queue
+        -- a writer stuck in a send to a dead peer is stopped here; what
+        -- it had not written goes to the next connection
         kill(wt)
-        restore(q, c)
+        release(q, c)
         if not rok and not ngx.worker.exiting() then
             if rerr == "closed" or rerr == "replaced" then
                 log(INFO, "worker ", wid, " disconnected")

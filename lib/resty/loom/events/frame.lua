@@ -292,22 +292,26 @@ function _M.peek(buf, max_len)
 end
 
 
--- The length of the longest run of whole frames at the front of buf (a
--- queue of frames built here) that fits in max bytes, or of the first
--- frame when that alone is larger: a write that starts at a header and
--- ends at a trailer.
-function _M.whole_frames(buf, max)
-    local p, n = buf:ref()
-    local off = 0
+-- Of the n bytes of frames at p (a queue of frames built here): the
+-- length of the longest run of whole frames that fits in max bytes, or of
+-- the first frame when that alone is larger (a write that starts at a
+-- header and ends at a trailer); how many events that run completes; and
+-- whether it ends inside a chunked event (its last frame has FLAG_MORE).
+function _M.whole_frames(p, n, max)
+    local off, events, open = 0, 0, false
     while off + FRAME_SIZE <= n do
-        local size = FRAME_SIZE + ffi_cast(FRAME_PTR, p + off).len
-                     + TRAILER_SIZE
+        local h = ffi_cast(FRAME_PTR, p + off)
+        local size = FRAME_SIZE + h.len + TRAILER_SIZE
         if off > 0 and off + size > max then
             break
         end
         off = off + size
+        open = h.flags == FLAG_MORE
+        if not open then
+            events = events + 1
+        end
     end
-    return off
+    return off, events, open
 end
 
 
@@ -325,19 +329,32 @@ function _M.at(p)
 end
 
 
+-- the part number in the trailer of the frame at h (payload at pp): 0 for
+-- a frame that starts an event
+function _M.part(h, pp)
+    return ffi_cast(TRAILER_PTR, pp + h.len).part
+end
+
+
 function _M.seq(h)
     return h.seq_hi * 4294967296 + h.seq_lo
 end
 
 
--- Collects the frames of a chunked event (FLAG_MORE on all but the last)
--- in st.partial. Returns the buffer holding the whole event once its last
--- frame is in (the caller drops st.partial when done with it), nil while
--- frames are missing, or false and what was wrong.
+-- Collects the frames of a chunked event (FLAG_MORE on all but the last,
+-- trailers numbering the parts from 0) in st.partial. Returns the buffer
+-- holding the whole event once its last frame is in (the caller drops
+-- st.partial when done with it), nil while frames are missing, or false
+-- and what was wrong.
 function _M.collect(st, seq, h, pp, max_payload)
     local partial = st.partial
     local plen = h.len
+    local part = ffi_cast(TRAILER_PTR, pp + plen).part
     if not partial then
+        if part ~= 0 then
+            -- the tail of an event whose start never came
+            return false, "chunk out of order"
+        end
         if plen < EVENT_SIZE then
             return false, "short event"
         end
@@ -345,7 +362,10 @@ function _M.collect(st, seq, h, pp, max_payload)
         st.partial, st.partial_seq = partial, seq
     elseif seq ~= st.partial_seq then
         return false, "interleaved chunks"
+    elseif part ~= st.partial_part + 1 then
+        return false, "chunk out of order"
     end
+    st.partial_part = part
     partial:putcdata(pp, plen)
     if #partial > max_payload + EVENT_SIZE + KEY_MAX then
         return false, "event too large"
