@@ -265,6 +265,9 @@ VALIDATION = """
             { socket = "/tmp/x.sock", overflow = "explode" },
             { socket = "/tmp/x.sock", privileged_agent = "yes" },
             { socket = "/tmp/x.sock", heartbeat = 0 },
+            { socket = "/tmp/x.sock", wait_timeout = 0.0005 },
+            { socket = "/tmp/x.sock", max_payload = 65536,
+              max_queue_bytes = 66560 },
             { socket = "/tmp/x.sock", bogus = 1 },
             "not a table",
         }
@@ -314,7 +317,9 @@ def test_option_validation_and_unsubscribe(nginx):
               "opts.max_payload must be an integer >= 1 and <= 67108864",
               'opts.overflow must be "reject", "drop_oldest" or "wait"',
               "opts.privileged_agent must be a boolean",
-              "opts.heartbeat must be a number > 0",
+              "opts.heartbeat must be a number >= 0.01 (seconds)",
+              "opts.wait_timeout must be a number >= 0.001 (seconds)",
+              "opts.max_queue_bytes must be at least opts.max_payload + 8192",
               "opts.bogus is not a known option",
               "opts must be a table"]
     assert len(errs) == len(expect)

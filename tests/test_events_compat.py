@@ -193,3 +193,81 @@ def test_lua_resty_events_api(nginx):
     assert sum(s["got"]["exact|s|e"]["n"] for s in st.values()) == 4
     # the broker is worker 1 here
     assert "pinned to worker 1" in n.error_log()
+
+
+# lua-resty-worker-events' own habits: handlers registered before
+# configure(), configure() called again, post() then poll() in one go,
+# exact-level unregister, a handler unregistering another mid-dispatch
+WE_HABITS_HTTP = """
+    init_by_lua_block {
+        require("resty.loom.events").new({
+            socket = ngx.config.prefix() .. "sock/bus.sock" })
+    }
+    init_worker_by_lua_block {
+        local we = require "resty.loom.compat.worker_events"
+        local r = { calls = {} }
+        package.loaded.habits = r
+        local function record(name)
+            return function()
+                r.calls[name] = (r.calls[name] or 0) + 1
+            end
+        end
+        local cb = record("cb")
+        assert(we.register(record("started"), we.events._source,
+                           we.events.started))
+        -- before configure(), as the lua-resty-worker-events synopsis does
+        assert(we.register(cb))
+        assert(we.register(cb, "src"))
+        assert(we.register(cb, "src", "e"))
+        assert(we.configure({ shm = "unused" }))
+        assert(we.configure({ interval = 0.5 }))
+        -- each call removes its own level only
+        r.unreg_global = we.unregister(cb)
+        r.unreg_global_again = we.unregister(cb)
+        r.unreg_source = we.unregister(cb, "src")
+        -- "second" is removed by "first" while an event is dispatched
+        local second = record("second")
+        we.register(function()
+            r.calls.first = (r.calls.first or 0) + 1
+            we.unregister(second, "mid")
+        end, "mid")
+        we.register(second, "mid")
+    }
+    server {
+        listen unix:$PREFIX/sock/bus.sock;
+        lua_socket_buffer_size 64k;
+        location / { content_by_lua_block {
+            require("resty.loom.events").get():serve() } }
+    }
+"""
+
+WE_HABITS_SERVER = """
+    location /habits { content_by_lua_block {
+        local we = require "resty.loom.compat.worker_events"
+        local r = package.loaded.habits
+        local before = r.calls.cb or 0
+        assert(we.post("src", "e", 1))
+        -- the poster's own handler runs in this poll(), as with the shm
+        local res = we.poll()
+        local after_poll = (r.calls.cb or 0) - before
+        assert(we.post_local("mid", "x"))
+        we.poll()
+        ngx.sleep(0.2)
+        ngx.say(require("cjson").encode({
+            poll = res, after_poll = after_poll, started = r.calls.started,
+            unreg = { r.unreg_global, r.unreg_global_again, r.unreg_source },
+            first = r.calls.first, second = r.calls.second or 0,
+        }))
+    } }
+"""
+
+
+def test_worker_events_habits(nginx):
+    n = nginx(workers=1, http=WE_HABITS_HTTP, server=WE_HABITS_SERVER)
+    r = n.get("/habits").json()
+    assert r["poll"] == "done"
+    # only the event-specific registration is left of the three
+    assert r["after_poll"] == 1, r
+    assert r["started"] == 1  # configure() twice, "started" once
+    assert r["unreg"] == [True, False, True]
+    assert r["first"] == 1 and r["second"] == 0

@@ -1,5 +1,7 @@
 """Overflow policies, their counters and log lines."""
 
+import os
+import signal
 import time
 
 import eventsconf as ec
@@ -275,3 +277,54 @@ def test_handler_publishing_with_wait_policy_does_not_stall(nginx):
             break
     assert refused == "0"
     assert float(wait) < 1, wait
+
+
+# worker 1 publishes to worker 0 with max_queue = 1: each publish waits for
+# the previous event's ack
+SPIN = """
+    if ngx.worker.id() == 1 then
+        local bus = require("resty.loom.events").get()
+        ngx.timer.at(0.5, function()
+            local i = 0
+            while not ngx.worker.exiting() do
+                i = i + 1
+                if bus:publish(0, "spin", "e", { n = i }) then
+                    ngx.sleep(0.005)
+                end
+            end
+        end)
+    end
+"""
+
+
+def cpu_seconds(pid):
+    with open("/proc/%d/stat" % pid) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_wait_for_room_sleeps_to_its_deadline(nginx):
+    """With the broker frozen, a publisher waiting for room waits: it does
+    not spin once less than a millisecond is left (a semaphore wait of 0 ms
+    returns at once, and ngx.now() only moves when the worker yields)."""
+    n = nginx(workers=2, http=ec.http(
+        'max_queue = 1, overflow = "wait", wait_timeout = 0.01, '
+        'heartbeat = 5', extra_worker=SPIN), server=ec.SERVER)
+    n.allow_log("queue full")
+    st = ec.wait_ready(n)
+    broker, publisher = st[0]["pid"], st[1]["pid"]
+    time.sleep(1)
+    n.kill(broker, signal.SIGSTOP)
+    try:
+        time.sleep(1)
+        c0 = cpu_seconds(publisher)
+        time.sleep(2)
+        busy = cpu_seconds(publisher) - c0
+    finally:
+        n.kill(broker, signal.SIGCONT)
+    # waits of 10 ms, each refused, then tried again: a few % of a core
+    assert busy < 0.5, busy
+    # and the worker is alive: it answers
+    st = ec.states(n)
+    assert st[1]["pid"] == publisher
+    assert st[1]["stats"]["dropped"].get("queue full", 0) > 10

@@ -41,6 +41,8 @@ local str_sub = string.sub
 local str_byte = string.byte
 local random = math.random
 local min = math.min
+local max = math.max
+local huge = math.huge
 local co_running = coroutine.running
 
 local ERR = ngx.ERR
@@ -75,6 +77,9 @@ local SEND_TIMEOUT = 30
 local LOG_INTERVAL = 10
 local MAX_PAYLOAD_LIMIT = 64 * 1024 * 1024
 local UNIQUE_KEY_MAX = frame.KEY_MAX
+-- queue bytes the largest event takes beyond its body: event header, the
+-- longest unique key, each frame's header and trailer (256 frames at most)
+local EVENT_ROOM = 8192
 -- publishes in one go before a yield ("wait"), so that the writer, the
 -- broker and the handlers carry the first events of a burst on while the
 -- rest are published (publish-to-handler p99 at half the raw bus's rate:
@@ -193,10 +198,12 @@ local function check_opts(opts)
                   .. (hi and (" and <= " .. hi) or ""), 4)
         end
     end
-    local function num(name, lo)
+    -- (seconds: nginx's timers count whole milliseconds)
+    local function seconds(name, lo)
         local v = o[name]
-        if type(v) ~= "number" or v <= lo then
-            error("opts." .. name .. " must be a number > " .. lo, 4)
+        if type(v) ~= "number" or v < lo then
+            error("opts." .. name .. " must be a number >= " .. lo
+                  .. " (seconds)", 4)
         end
     end
 
@@ -207,11 +214,11 @@ local function check_opts(opts)
     int("max_queue", 1)
     int("max_queue_bytes", 1024)
     int("max_payload", 1, MAX_PAYLOAD_LIMIT)
-    num("wait_timeout", 0)
-    num("unique_window", 0)
-    num("heartbeat", 0)
-    num("slow_timeout", 0)
-    num("exit_timeout", 0)
+    seconds("wait_timeout", 0.001)
+    seconds("unique_window", 0.001)
+    seconds("heartbeat", 0.01)
+    seconds("slow_timeout", 0.001)
+    seconds("exit_timeout", 0.001)
     if not OVERFLOW[o.overflow] then
         error('opts.overflow must be "reject", "drop_oldest" or "wait"', 3)
     end
@@ -222,8 +229,9 @@ local function check_opts(opts)
         -- a broker waiting that long would miss its peers' heartbeats
         error("opts.slow_timeout must be less than 3 * opts.heartbeat", 3)
     end
-    if o.max_queue_bytes < o.max_payload + 1024 then
-        error("opts.max_queue_bytes must be larger than opts.max_payload", 3)
+    if o.max_queue_bytes < o.max_payload + EVENT_ROOM then
+        error("opts.max_queue_bytes must be at least opts.max_payload + "
+              .. EVENT_ROOM .. " (the largest event with its headers)", 3)
     end
     return o
 end
@@ -444,7 +452,8 @@ local function dispatch(self, source, event, data, wid, pid)
     local list = self.sub_list
     for i = 1, #list do
         local sub = list[i]
-        if (sub.source == "*" or sub.source == source)
+        if not sub.removed
+           and (sub.source == "*" or sub.source == source)
            and (sub.event == "*" or sub.event == event) then
             run_handler(self, sub, data, event, source, wid, pid)
         end
@@ -956,9 +965,11 @@ local function client_loop(premature, self)
             end
         else
             sock:close()
+            if reason then
+                self.counters.rejected = self.counters.rejected + 1
+            end
             if reason == "other generation" then
                 -- an old worker during a reload: the old broker is gone
-                self.counters.rejected = self.counters.rejected + 1
                 if worker_exiting() then
                     break
                 end
@@ -1118,7 +1129,9 @@ local function make_room(self, bytes)
             if left <= 0 then
                 break
             end
-            self.space:wait(left)
+            -- (at least 1 ms: a shorter wait returns at once without
+            -- yielding, and ngx.now() would never reach the deadline)
+            self.space:wait(max(left, 0.001))
             waited = true
         end
         if in_handler then
@@ -1317,7 +1330,9 @@ function _M.unsubscribe(self, id)
         return false
     end
     self.subs[id] = nil
-    -- a new list, so a dispatch walking the old one is not disturbed
+    -- a new list, so a dispatch walking the old one is not disturbed; that
+    -- one skips it from now on
+    sub.removed = true
     local list = {}
     for _, s in ipairs(self.sub_list) do
         if s ~= sub then
@@ -1345,6 +1360,11 @@ end
 function _M.poll(self)
     if self.dispatch[1] then
         return "recursive"
+    end
+    if self.own.n > 0 then
+        -- our own events published so far, even those the writer has not
+        -- taken yet (as a shared-dict bus would have them)
+        release_own(self, 1, huge, true)
     end
     local me = co_running()
     while dispatch_next(self, me) do
@@ -1422,7 +1442,7 @@ function _M.collect(self, name, timeout)
         if left <= 0 then
             break
         end
-        pend.sema:wait(left)
+        pend.sema:wait(max(left, 0.001))
         ngx.update_time()
     end
     self.collecting[id] = nil

@@ -37,8 +37,11 @@ function _M.configure(opts)
     if not ok then
         return nil, err
     end
-    configured = true
-    bus:publish("current", SELF, "started", nil)
+    if not configured then
+        -- once per process, as worker-events does
+        configured = true
+        bus:publish("current", SELF, "started", nil)
+    end
     return true
 end
 
@@ -52,6 +55,18 @@ local function check()
     if not configured then
         error("worker-events not configured", 3)
     end
+end
+
+
+-- handlers may be registered before configure(), as worker-events allows:
+-- the bus exists from init_by_lua on
+local function the_bus()
+    local b = bus or events.get()
+    if not b then
+        error("no resty.loom.events bus; create one with "
+              .. "resty.loom.events.new() in init_by_lua", 3)
+    end
+    return b
 end
 
 
@@ -90,7 +105,7 @@ function _M.poll()
 end
 
 
-local function add(book, callback, source, ...)
+local function add(b, book, callback, source, ...)
     local ids = book[callback] or {}
     book[callback] = ids
     -- handlers get (data, event, source, pid), as worker-events gives
@@ -110,12 +125,12 @@ local function add(book, callback, source, ...)
                 return cb(data, event, src, pid)
             end
             for id in pairs(weak_ids) do
-                bus:unsubscribe(id)
+                b:unsubscribe(id)
             end
         end
     end
     local function sub(s, e)
-        local id = bus:subscribe(s, e, adapter)
+        local id = b:subscribe(s, e, adapter)
         ids[id] = { s, e }
         if weak_ids then
             weak_ids[id] = true
@@ -136,36 +151,41 @@ end
 
 
 function _M.register(callback, source, ...)
-    check()
     if type(callback) ~= "function" then
         error("expected function, got " .. type(callback), 2)
     end
-    return add(strong, callback, source, ...)
+    return add(the_bus(), strong, callback, source, ...)
 end
 
 
 function _M.register_weak(callback, source, ...)
-    check()
     if type(callback) ~= "function" then
         error("expected function, got " .. type(callback), 2)
     end
-    return add(weak, callback, source, ...)
+    return add(the_bus(), weak, callback, source, ...)
 end
 
 
--- unregister(callback [, source [, event, ...]]): true if anything was
--- removed
+-- unregister(callback [, source [, event, ...]]): removes the registration
+-- made with the same arguments (the catch-all one, the one for a whole
+-- source, or those for the events named), as worker-events does; true if
+-- anything was removed
 function _M.unregister(callback, source, ...)
-    check()
+    if type(callback) ~= "function" then
+        error("expected function, got " .. type(callback), 2)
+    end
+    local b = the_bus()
     local removed = false
     local n = select("#", ...)
     for _, book in ipairs({ strong, weak }) do
         local ids = book[callback]
         if ids then
             for id, key in pairs(ids) do
-                local match = source == nil
-                if not match and key[1] == source then
-                    match = n == 0
+                local match
+                if source == nil then
+                    match = key[1] == "*"
+                elseif key[1] == source then
+                    match = n == 0 and key[2] == "*"
                     for i = 1, n do
                         if key[2] == select(i, ...) then
                             match = true
@@ -173,7 +193,7 @@ function _M.unregister(callback, source, ...)
                     end
                 end
                 if match then
-                    bus:unsubscribe(id)
+                    b:unsubscribe(id)
                     ids[id] = nil
                     removed = true
                 end
@@ -200,6 +220,10 @@ function _M.event_list(source, ...)
         end,
     })
 end
+
+
+-- the library's own events; "stopping" is never posted (see the docs)
+_M.events = _M.event_list(SELF, "started", "stopping")
 
 
 return _M

@@ -376,22 +376,34 @@ local function seen_unique(b, key, window)
 end
 
 
+-- Events in q not written yet: those queued, and what the send under way
+-- has not written of its batch.
+local function queued(q)
+    local n = q.n
+    local w = q.writer
+    if w and w.batch_events then
+        n = n + w.batch_events - w.written
+    end
+    return n
+end
+
+
 -- Appends one event (payload p, len) to q, waiting (up to slow_timeout)
 -- for room when q is full and its worker is connected. Returns false when
 -- it had to drop it (counted, logged at most once per interval).
 local function enqueue(bus, b, q, seq, bidx, p, len)
     local opts = bus.opts
     local max_n, max_bytes = opts.max_queue, opts.max_queue_bytes
-    if (q.n >= max_n or #q.buf + len > max_bytes)
+    if (queued(q) >= max_n or #q.buf + len > max_bytes)
        and q.conn and not q.overflowing then
         b.stats.slow_waits = b.stats.slow_waits + 1
         local deadline = ngx_now() + opts.slow_timeout
-        while q.conn and (q.n >= max_n or #q.buf + len > max_bytes)
+        while q.conn and (queued(q) >= max_n or #q.buf + len > max_bytes)
               and ngx_now() < deadline do
             q.space_sema:wait(0.1)
         end
     end
-    if q.n >= max_n or #q.buf + len > max_bytes then
+    if queued(q) >= max_n or #q.buf + len > max_bytes then
         -- no more waiting for this worker until its writer catches up
         q.overflowing = true
         local reason = q.conn and "subscriber too slow"
@@ -625,8 +637,12 @@ end
 local function detach(b, q, c)
     if q.conn == c then
         q.conn = nil
-        q.inflight_bidx = nil
-        q.send_since = nil
+        -- (a replaced connection's writer may still be sending: its batch
+        -- stays in flight until release())
+        if not q.writer or q.writer == c then
+            q.inflight_bidx = nil
+            q.send_since = nil
+        end
     end
     b.stats.connections = b.stats.connections - 1
     send_acks(b)
@@ -810,7 +826,7 @@ function _M.stats(bus)
     local queues = {}
     for wid, q in pairs(b.queues) do
         queues[tostring(wid)] = {
-            events = q.n,
+            events = queued(q),
             bytes = #q.buf,
             connected = q.conn ~= nil,
         }
