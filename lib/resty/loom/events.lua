@@ -72,6 +72,10 @@ local WRITE_MAX = frame.WRITE_MAX
 local EXACT_MIN = frame.EXACT_MIN
 local CHUNK = frame.CHUNK
 local SLICE = 256                   -- events handled between yields
+-- the broker keeps the events it wrote to a worker until the worker
+-- confirms them: at the latest after ACK_EVERY, else ACK_DELAY s after
+local ACK_EVERY = 256
+local ACK_DELAY = 0.001
 local CONNECT_TIMEOUT = 2
 local SEND_TIMEOUT = 30
 local LOG_INTERVAL = 10
@@ -616,9 +620,11 @@ local function consume(self, rbuf, st)
                     local fp, flen = whole:ref()
                     ok, err = receive_event(self, seq, fp, flen)
                     st.partial = nil
+                    st.got = st.got + 1
                 end
             else
                 ok, err = receive_event(self, seq, pp, h.len)
+                st.got = st.got + 1
             end
             if not ok then
                 return nil, err
@@ -658,7 +664,8 @@ local function reader(self, sock, link)
     local rbuf = buf_new(READ_SIZE)
     local need = 0
     local since_yield = 0
-    local st = {}
+    -- (the chunk being collected, and the events received: link.got)
+    local st = link
     -- the broker answers our pings: silence this long means it is gone;
     -- a send may wait longer while the broker is busy with a slow worker
     sock:settimeouts(CONNECT_TIMEOUT * 1000, SEND_TIMEOUT * 1000,
@@ -686,6 +693,11 @@ local function reader(self, sock, link)
         if not need then
             return nil, err
         end
+        if link.got - link.acked >= ACK_EVERY and self.writer_idle then
+            -- a long run: the broker holds these until we confirm them
+            self.writer_idle = false
+            self.wsema:post(1)
+        end
         since_yield = since_yield + #data
         if since_yield >= YIELD_BYTES then
             -- a long run of reads: let requests in
@@ -699,9 +711,9 @@ end
 -- sending ----------------------------------------------------------------
 
 -- a header-only control frame
-local function control(typ)
+local function control(typ, seq)
     local out = buf_new(64)
-    frame.put_empty(out, typ, 0)
+    frame.put_empty(out, typ, seq or 0)
     return out:get()
 end
 
@@ -728,11 +740,22 @@ local function writer(self, sock, link)
                 return true
             end
             self.writer_idle = true
-            self.wsema:wait(hb / 2)
+            -- events received and not confirmed yet: soon, in one frame
+            -- for all that come meanwhile
+            self.wsema:wait(link.got > link.acked and ACK_DELAY or hb / 2)
             self.writer_idle = false
         end
         if link.closed then
             return true
+        end
+        local got = link.got
+        if got > link.acked then
+            -- the broker keeps what it wrote to us until we confirm it
+            if not send(sock, link, control(T_ACK, got)) then
+                return nil, link.error
+            end
+            link.acked = got
+            last_send = ngx_now()
         end
         if #self.unsent > 0 then
             -- whole events, up to WRITE_MAX bytes per write; they stay in
@@ -816,7 +839,7 @@ end
 -- The broker worker talks to the broker without a socket.
 local function run_local(self)
     local link = { closed = false }
-    local st = {}
+    local st = { got = 0 }
     link.conn = broker.attach_local(self, function(batch)
         wait_inbox_room(self, link)
         local need, err = consume(self, batch, st)
@@ -945,7 +968,7 @@ local function client_loop(premature, self)
             self.ready = true
             backoff = 0.01
             requeue_unacked(self)
-            local link = { closed = false, error = nil }
+            local link = { closed = false, error = nil, got = 0, acked = 0 }
             local wt = spawn(writer, self, sock, link)
             local rok, rerr = reader(self, sock, link)
             link.closed = true

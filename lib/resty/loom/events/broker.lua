@@ -13,6 +13,7 @@ local ffi = require "ffi"
 local buffer = require "string.buffer"
 local frame = require "resty.loom.events.frame"
 local fifo = require "resty.loom.events.fifo"
+local ring = require "resty.loom.events.ring"
 local semaphore = require "ngx.semaphore"
 local yield = require("resty.loom.yield").yield
 
@@ -117,6 +118,12 @@ local function queue(b, wid)
             conn = nil,         -- the connection currently attached
             overflowing = false,-- dropping until the writer catches up
             writer = nil,       -- the connection whose writer owns buf
+            -- buf starts with what was written to the worker and not yet
+            -- acknowledged by it: sent_bytes, sent_events; a record per
+            -- write (events written by then, bytes, oldest index, time)
+            sent_bytes = 0,
+            sent_events = 0,
+            sent = ring.new(),
             data_sema = semaphore.new(),
             space_sema = semaphore.new(),
             writer_sema = semaphore.new(),
@@ -157,20 +164,28 @@ local function reject(b, sock, reason, detail)
 end
 
 
--- Events older than the returned index have been written to every live
--- target's socket, except a target that has been too slow: one whose
--- events are being dropped, or whose write has waited slow_timeout. It
--- holds nobody's acknowledgements back (what is queued for it is then
--- lost to it if the broker crashes as well).
+-- Events older than the returned index have been received by every live
+-- target (it acknowledged them), except a target that has been too slow:
+-- one whose events are being dropped, whose write has waited
+-- slow_timeout, or that has not acknowledged a write that old. It holds
+-- nobody's acknowledgements back (what is queued for it is then lost to
+-- it if the broker crashes as well).
 local function watermark(b, slow)
     local low = b.next_bidx
     local now = ngx_now()
     for _, q in pairs(b.queues) do
+        local _, _, _, sent_bidx, sent_at = q.sent:first()
         if q.conn and not q.overflowing
-           and not (q.send_since and now - q.send_since >= slow) then
-            -- (first_bidx is the lower one when an enqueue that waited
-            -- put an earlier event behind the send under way)
-            local i, f = q.inflight_bidx, q.first_bidx
+           and not (q.send_since and now - q.send_since >= slow)
+           and not (sent_at and now - sent_at >= slow) then
+            -- the oldest of: unacknowledged, being written, queued (an
+            -- enqueue that waited may put an earlier event behind a send)
+            local i = sent_bidx
+            local f = q.inflight_bidx
+            if f and (not i or f < i) then
+                i = f
+            end
+            f = q.first_bidx
             if f and (not i or f < i) then
                 i = f
             end
@@ -224,6 +239,16 @@ local function release(q, c)
         q.send_since = nil
     end
     if q.writer == c then
+        -- written but not acknowledged: sent again, from the front
+        local _, _, _, bidx = q.sent:first()
+        if bidx and (not q.first_bidx or bidx < q.first_bidx) then
+            q.first_bidx = bidx
+        end
+        q.n = q.n + q.sent_events
+        q.sent_bytes, q.sent_events = 0, 0
+        while q.sent:pop() do
+            -- (dropped: the records counted this connection's writes)
+        end
         q.writer = nil
         local waiting = -q.writer_sema:count()
         if waiting > 0 then
@@ -233,19 +258,23 @@ local function release(q, c)
 end
 
 
--- Sends the first `left` bytes of q.buf (the batch: whole events) in
--- writes of whole frames up to WRITE_MAX bytes (see frame.lua). An
--- event's bytes leave q.buf only once its last frame is written, so a
--- failed write leaves whole events in front of the queue: the next
--- connection must not start in the middle of a chunked event. c.written
--- counts the events written. Returns false when the send failed.
-local function send_queued(q, c, left)
+-- Sends `left` bytes of q.buf after what is awaiting acknowledgement (the
+-- batch: whole events) in writes of whole frames up to WRITE_MAX bytes
+-- (see frame.lua). Written events stay in q.buf until the worker
+-- acknowledges them (on_received), and join the sent part only once
+-- their last frame is written: a connection that breaks leaves whole
+-- events, and the next one starts with the first the worker did not
+-- confirm (a connection must not start in the middle of a chunked
+-- event). c.written counts the events written. Returns false when the
+-- send failed.
+local function send_queued(q, c, left, bidx)
     local sock = c.sock
     local buf = q.buf
     local off = 0       -- bytes written of the event still open
     while left > 0 do
-        -- (the pointer again after every send: enqueue appends meanwhile)
-        local p = buf:ref()
+        -- (the pointer and the sent part again after every send: enqueue
+        -- appends, and acknowledgements take from the front, meanwhile)
+        local p = buf:ref() + q.sent_bytes
         local size, events, open = frame.whole_frames(p + off, left,
                                                       WRITE_MAX)
         local ok, err = sock:send(ffi_string(p + off, size))
@@ -256,14 +285,45 @@ local function send_queued(q, c, left)
         end
         left = left - size
         c.written = c.written + events
-        if open then
-            off = off + size
-        else
-            buf:skip(off + size)
+        if not open then
+            local n = q.sent_events + events
+            c.sent = c.sent + events
+            q.sent:push(c.sent, off + size, events, bidx, ngx_now())
+            q.sent_bytes = q.sent_bytes + off + size
+            q.sent_events = n
             off = 0
+        else
+            off = off + size
         end
     end
     return true
+end
+
+
+-- The worker has received the first n events written on connection c:
+-- they leave the queue.
+local function on_received(b, q, c, n)
+    if q.writer ~= c then
+        -- (a connection whose writer waits for the previous one's turn to
+        -- end has had nothing written yet)
+        return
+    end
+    local sent = q.sent
+    local freed = 0
+    while true do
+        local upto, bytes, events = sent:first()
+        if not upto or upto > n then
+            break
+        end
+        sent:pop()
+        q.buf:skip(bytes)
+        q.sent_bytes = q.sent_bytes - bytes
+        q.sent_events = q.sent_events - events
+        freed = freed + events
+    end
+    if freed > 0 then
+        send_acks(b)
+    end
 end
 
 
@@ -295,7 +355,7 @@ local function writer(b, q, c)
     end
     q.writer = c
     while not c.closed do
-        if #q.buf == 0 and #ctl == 0 then
+        if #q.buf == q.sent_bytes and #ctl == 0 then
             q.writer_idle = true
             sema:wait(1)
             q.writer_idle = false
@@ -311,7 +371,7 @@ local function writer(b, q, c)
                 break
             end
         end
-        if #q.buf > 0 then
+        if #q.buf > q.sent_bytes then
             -- what is queued now is one batch for the acks
             local bidx = q.first_bidx
             q.inflight_bidx = bidx
@@ -321,14 +381,16 @@ local function writer(b, q, c)
             c.batch_events, c.batch_bidx, c.written = events, bidx, 0
             q.send_since = ngx_now()
             if c.deliver then
+                -- (handed over in this process: received at once)
                 deliver_queued(q, c)
-            elseif not send_queued(q, c, #q.buf) then
+            elseif not send_queued(q, c, #q.buf - q.sent_bytes, bidx) then
                 break
             end
             c.batch_events = nil
             q.inflight_bidx = nil
             q.send_since = nil
             if events > 0 then
+                -- room for what waits to be queued
                 q.overflowing = false
                 local waiting = -q.space_sema:count()
                 if waiting > 0 then
@@ -377,8 +439,11 @@ end
 
 
 -- Events in q not written yet: those queued, and what the send under way
--- has not written of its batch.
-local function queued(q)
+-- has not written of its batch. What is bounded: what was written and
+-- not yet acknowledged is not, or a worker whose acknowledgements wait
+-- behind its own events, which the broker is not reading while it waits
+-- for room, would hold up the queue that would make room.
+local function unwritten(q)
     local n = q.n
     local w = q.writer
     if w and w.batch_events then
@@ -394,16 +459,18 @@ end
 local function enqueue(bus, b, q, seq, bidx, p, len)
     local opts = bus.opts
     local max_n, max_bytes = opts.max_queue, opts.max_queue_bytes
-    if (queued(q) >= max_n or #q.buf + len > max_bytes)
+    local used = #q.buf - q.sent_bytes + len
+    if (unwritten(q) >= max_n or used > max_bytes)
        and q.conn and not q.overflowing then
         b.stats.slow_waits = b.stats.slow_waits + 1
         local deadline = ngx_now() + opts.slow_timeout
-        while q.conn and (queued(q) >= max_n or #q.buf + len > max_bytes)
+        while q.conn and (unwritten(q) >= max_n
+                          or #q.buf - q.sent_bytes + len > max_bytes)
               and ngx_now() < deadline do
             q.space_sema:wait(0.1)
         end
     end
-    if queued(q) >= max_n or #q.buf + len > max_bytes then
+    if unwritten(q) >= max_n or #q.buf - q.sent_bytes + len > max_bytes then
         -- no more waiting for this worker until its writer catches up
         q.overflowing = true
         local reason = q.conn and "subscriber too slow"
@@ -526,9 +593,12 @@ local function consume(bus, b, c, rbuf)
             -- until we close
             return true
 
-        elseif typ ~= T_ACK and typ ~= T_PONG then
-            -- (the client never acks the broker; a stray ack or pong is
-            -- harmless)
+        elseif typ == T_ACK then
+            -- the worker has received this many events of ours
+            on_received(b, c.q, c, frame_seq(h))
+
+        elseif typ ~= T_PONG then
+            -- (a stray pong is harmless)
             return nil, "unexpected frame type " .. tostring(typ)
         end
         rbuf:skip(size)
@@ -735,6 +805,7 @@ function _M.serve(bus)
         rbuf = buf_new(READ_SIZE),
         ackq = fifo.new(),
         ctl = buf_new(256),     -- acks and pongs, sent ahead of events
+        sent = 0,               -- events written on this connection
         closed = false,
     }
     attach(b, q, c)
@@ -826,7 +897,7 @@ function _M.stats(bus)
     local queues = {}
     for wid, q in pairs(b.queues) do
         queues[tostring(wid)] = {
-            events = queued(q),
+            events = unwritten(q) + q.sent_events,
             bytes = #q.buf,
             connected = q.conn ~= nil,
         }

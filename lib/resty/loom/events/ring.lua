@@ -77,6 +77,16 @@ function _M.peek(self)
 end
 
 
+-- the values of the oldest record (nothing when empty)
+function _M.first(self)
+    if self.n == 0 then
+        return
+    end
+    local t, i = self.t, self.head * W
+    return t[i + 1], t[i + 2], t[i + 3], t[i + 4], t[i + 5], t[i + 6]
+end
+
+
 -- removes the oldest record and returns its values (nothing when empty)
 function _M.pop(self)
     local n = self.n
