@@ -73,9 +73,9 @@ local EXACT_MIN = frame.EXACT_MIN
 local CHUNK = frame.CHUNK
 local SLICE = 256                   -- events handled between yields
 -- the broker keeps the events it wrote to a worker until the worker
--- confirms them: at the latest after ACK_EVERY, else ACK_DELAY s after
+-- confirms them: every ACK_EVERY events, else ACK_DELAY s after the last
 local ACK_EVERY = 256
-local ACK_DELAY = 0.001
+local ACK_DELAY = 0.01
 local CONNECT_TIMEOUT = 2
 local SEND_TIMEOUT = 30
 local LOG_INTERVAL = 10
@@ -749,8 +749,11 @@ local function writer(self, sock, link)
             return true
         end
         local got = link.got
-        if got > link.acked then
-            -- the broker keeps what it wrote to us until we confirm it
+        if got > link.acked and (#self.unsent == 0
+                                 or got - link.acked >= ACK_EVERY) then
+            -- the broker keeps what it wrote to us until we confirm it:
+            -- when we have nothing else to send, or a long run (not with
+            -- every write: a send each costs both sides)
             if not send(sock, link, control(T_ACK, got)) then
                 return nil, link.error
             end
