@@ -3,6 +3,8 @@
 import time
 import zlib
 
+import pytest
+
 import eventsconf as ec
 
 
@@ -395,3 +397,55 @@ def test_poll_killed_in_a_handler_holds_nothing_up(nginx):
     ec.wait_ready(n)
     assert n.get("/pollkilled").text.strip() == \
         "start 1, start 2, end 2"
+
+
+# a publish from worker 2 to worker 1, timed until the broker acknowledged
+# it (which needs worker 1 to confirm it received it)
+ACK_TIMED = ec.SERVER + """
+    location /acktime { content_by_lua_block {
+        if ngx.worker.id() ~= 2 then ngx.status = 409 return end
+        local bus = require("resty.loom.events").get()
+        ngx.sleep(0.3)  -- every writer idle, in its long wait
+        ngx.update_time()
+        local t0 = ngx.now()
+        assert(bus:publish(1, "acktime", "e", { n = 1 }))
+        while true do
+            local q = bus:stats().queue
+            if q.unsent == 0 and q.unacked == 0 then break end
+            ngx.sleep(0.001)
+        end
+        ngx.update_time()
+        ngx.say(ngx.now() - t0)
+    } }
+"""
+
+# worker 1 publishes every 3 ms: its writer is never idle for 10 ms
+BUSY_WRITER = """
+    if ngx.worker.id() == 1 then
+        local bus = require("resty.loom.events").get()
+        ngx.timer.every(0.003, function(premature)
+            if not premature then
+                bus:publish(0, "busy", "e", { x = 1 })
+            end
+        end)
+    end
+"""
+
+
+@pytest.mark.parametrize("writer", ["idle", "busy"])
+def test_receivers_confirm_promptly(nginx, writer):
+    """A worker confirms what it received within ACK_DELAY, whether its
+    writer sat in its long wait or keeps sending its own events; the
+    publisher's acknowledgement waits for that, so it comes in ms, not
+    after half a heartbeat (or never, when the broker ends up treating the
+    silent worker as too slow)."""
+    n = nginx(workers=3, http=ec.http(
+        "heartbeat = 4", extra_worker=BUSY_WRITER if writer == "busy"
+        else ""), server=ACK_TIMED)
+    ec.wait_ready(n)
+    took = []
+    while len(took) < 3:
+        r = n.get("/acktime", timeout=15)
+        if r.status == 200:
+            took.append(float(r.text))
+    assert max(took) < 0.2, took

@@ -693,10 +693,17 @@ local function reader(self, sock, link)
         if not need then
             return nil, err
         end
-        if link.got - link.acked >= ACK_EVERY and self.writer_idle then
-            -- a long run: the broker holds these until we confirm them
-            self.writer_idle = false
-            self.wsema:post(1)
+        if link.got > link.acked then
+            -- the broker holds these until we confirm them: the writer
+            -- does within ACK_DELAY, or at once for a long run
+            if not link.since then
+                link.since = ngx_now()
+            end
+            if self.writer_idle
+               and (not link.short or link.got - link.acked >= ACK_EVERY) then
+                self.writer_idle = false
+                self.wsema:post(1)
+            end
         end
         since_yield = since_yield + #data
         if since_yield >= YIELD_BYTES then
@@ -742,22 +749,26 @@ local function writer(self, sock, link)
             self.writer_idle = true
             -- events received and not confirmed yet: soon, in one frame
             -- for all that come meanwhile
-            self.wsema:wait(link.got > link.acked and ACK_DELAY or hb / 2)
+            link.short = link.got > link.acked
+            self.wsema:wait(link.short and ACK_DELAY or hb / 2)
             self.writer_idle = false
         end
         if link.closed then
             return true
         end
         local got = link.got
-        if got > link.acked and (#self.unsent == 0
-                                 or got - link.acked >= ACK_EVERY) then
+        if got > link.acked
+           and (#self.unsent == 0 or got - link.acked >= ACK_EVERY
+                or ngx_now() - (link.since or 0) >= ACK_DELAY) then
             -- the broker keeps what it wrote to us until we confirm it:
-            -- when we have nothing else to send, or a long run (not with
-            -- every write: a send each costs both sides)
+            -- when we have nothing else to send, after a long run, or
+            -- ACK_DELAY after the first unconfirmed event (not with every
+            -- write: a send each costs both sides)
             if not send(sock, link, control(T_ACK, got)) then
                 return nil, link.error
             end
             link.acked = got
+            link.since = got < link.got and ngx_now() or nil
             last_send = ngx_now()
         end
         if #self.unsent > 0 then

@@ -288,11 +288,18 @@ local function send_queued(q, c, left, bidx)
         if not open then
             local n = q.sent_events + events
             c.sent = c.sent + events
+            -- (a later batch may hold an earlier index, after an enqueue
+            -- that waited: the oldest record keeps the least index)
+            if bidx then
+                q.sent:lower(4, bidx)
+            end
             q.sent:push(c.sent, off + size, events, bidx, ngx_now())
             q.sent_bytes = q.sent_bytes + off + size
             q.sent_events = n
             off = 0
         else
+            -- (a run that ends inside an event is that event's frame
+            -- alone: CHUNK > WRITE_MAX, so events is 0 here)
             off = off + size
         end
     end

@@ -77,6 +77,26 @@ function _M.peek(self)
 end
 
 
+-- Lowers value k of the newest records to v, back to the first record
+-- whose value k is not above it: value k then never decreases from the
+-- newest record to the oldest, whose value is the least of all.
+function _M.lower(self, k, v)
+    local t, cap, head = self.t, self.cap, self.head
+    for j = self.n - 1, 0, -1 do
+        local r = head + j
+        if r >= cap then
+            r = r - cap
+        end
+        local i = r * W + k
+        local x = t[i]
+        if not x or x <= v then
+            return
+        end
+        t[i] = v
+    end
+end
+
+
 -- the values of the oldest record (nothing when empty)
 function _M.first(self)
     if self.n == 0 then
