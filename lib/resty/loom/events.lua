@@ -16,7 +16,6 @@ local yield = require("resty.loom.yield").yield
 
 local C = ffi.C
 local frame_seq = frame.seq
-local frame_part = frame.part
 local ngx = ngx
 local ngx_log = ngx.log
 local ngx_now = ngx.now
@@ -56,7 +55,6 @@ local T_PONG = frame.PONG
 local T_REJECT = frame.REJECT
 local T_HELLO = frame.HELLO
 local T_BYE = frame.BYE
-local FLAG_MORE = frame.FLAG_MORE
 local FRAME_SIZE = frame.FRAME_SIZE
 local EVENT_SIZE = frame.EVENT_SIZE
 local ALL = frame.ALL
@@ -568,6 +566,16 @@ local function receive_event(self, seq, p, len)
 end
 
 
+-- n events left the queue: as many publishers waiting for room may go on
+-- (the semaphore counts its waiters, also when one is killed)
+local function wake_publishers(self, n)
+    local waiting = -self.space:count()
+    if waiting > 0 then
+        self.space:post(min(n, waiting))
+    end
+end
+
+
 local function on_ack(self, seq)
     local q = self.unacked_q
     local freed = 0
@@ -583,10 +591,7 @@ local function on_ack(self, seq)
         freed = freed + 1
     end
     if freed > 0 then
-        local waiting = -self.space:count()
-        if waiting > 0 then
-            self.space:post(min(freed, waiting))
-        end
+        wake_publishers(self, freed)
     end
 end
 
@@ -608,22 +613,14 @@ local function consume(self, rbuf, st)
         local ok, err
         if typ == T_EVENT then
             local seq = frame_seq(h)
-            if st.partial or h.flags == FLAG_MORE
-               or frame_part(h, pp) ~= 0 then
-                local whole
-                whole, err = frame.collect(st, seq, h, pp, max_payload)
-                if whole == false then
-                    return nil, err
-                end
-                ok = true
-                if whole then
-                    local fp, flen = whole:ref()
-                    ok, err = receive_event(self, seq, fp, flen)
-                    st.partial = nil
-                    st.got = st.got + 1
-                end
-            else
-                ok, err = receive_event(self, seq, pp, h.len)
+            local p, len = frame.collect(st, seq, h, pp, max_payload)
+            if p == false then
+                return nil, len
+            end
+            ok = true
+            if p then
+                ok, err = receive_event(self, seq, p, len)
+                st.partial = nil
                 st.got = st.got + 1
             end
             if not ok then
@@ -841,10 +838,7 @@ local function local_writer(self, link)
             end
             self.pending = self.pending - n
             self.pending_bytes = self.pending_bytes - bytes
-            local waiting = -self.space:count()
-            if waiting > 0 then
-                self.space:post(min(n, waiting))
-            end
+            wake_publishers(self, n)
         end
     end
 end

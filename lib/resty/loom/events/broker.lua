@@ -20,7 +20,6 @@ local yield = require("resty.loom.yield").yield
 local C = ffi.C
 local ffi_string = ffi.string
 local frame_seq = frame.seq
-local frame_part = frame.part
 local ngx = ngx
 local ngx_log = ngx.log
 local ngx_var = ngx.var
@@ -45,7 +44,6 @@ local T_PING = frame.PING
 local T_PONG = frame.PONG
 local T_REJECT = frame.REJECT
 local T_BYE = frame.BYE
-local FLAG_MORE = frame.FLAG_MORE
 local FRAME_SIZE = frame.FRAME_SIZE
 local EVENT_SIZE = frame.EVENT_SIZE
 local ALL = frame.ALL
@@ -403,7 +401,11 @@ local function writer(b, q, c)
                 if waiting > 0 then
                     q.space_sema:post(waiting)
                 end
-                send_acks(b)
+                if c.deliver then
+                    -- (a socket's events are acknowledged once the worker
+                    -- confirms them: on_received)
+                    send_acks(b)
+                end
             end
         end
     end
@@ -572,20 +574,13 @@ local function consume(bus, b, c, rbuf)
         if typ == T_EVENT then
             local seq = frame_seq(h)
             local ok, why = true
-            if c.partial or h.flags == FLAG_MORE
-               or frame_part(h, pp) ~= 0 then
-                local whole
-                whole, why = frame.collect(c, seq, h, pp, max_payload)
-                if whole == false then
-                    return nil, why
-                end
-                if whole then
-                    local fp, flen = whole:ref()
-                    ok, why = forward(bus, b, c, seq, fp, flen)
-                    c.partial = nil
-                end
-            else
-                ok, why = forward(bus, b, c, seq, pp, h.len)
+            local p, len = frame.collect(c, seq, h, pp, max_payload)
+            if p == false then
+                return nil, len
+            end
+            if p then
+                ok, why = forward(bus, b, c, seq, p, len)
+                c.partial = nil
             end
             if not ok then
                 return nil, why

@@ -329,23 +329,17 @@ function _M.at(p)
 end
 
 
--- the part number in the trailer of the frame at h (payload at pp): 0 for
--- a frame that starts an event
-function _M.part(h, pp)
-    return ffi_cast(TRAILER_PTR, pp + h.len).part
-end
-
-
 function _M.seq(h)
     return h.seq_hi * 4294967296 + h.seq_lo
 end
 
 
--- Collects the frames of a chunked event (FLAG_MORE on all but the last,
--- trailers numbering the parts from 0) in st.partial. Returns the buffer
--- holding the whole event once its last frame is in (the caller drops
--- st.partial when done with it), nil while frames are missing, or false
--- and what was wrong.
+-- The payload of the event that the frame at h (payload pp) carries or
+-- completes: pointer and length. An event in one frame comes at once; a
+-- chunked one (FLAG_MORE on all but its last frame, trailers numbering the
+-- parts from 0) is collected in st.partial and comes with its last frame
+-- (the caller drops st.partial when done with it). Returns nil while
+-- frames are missing, or false and what was wrong.
 function _M.collect(st, seq, h, pp, max_payload)
     local partial = st.partial
     local plen = h.len
@@ -354,6 +348,9 @@ function _M.collect(st, seq, h, pp, max_payload)
         if part ~= 0 then
             -- the tail of an event whose start never came
             return false, "chunk out of order"
+        end
+        if h.flags ~= FLAG_MORE then
+            return pp, plen
         end
         if plen < EVENT_SIZE then
             return false, "short event"
@@ -373,7 +370,7 @@ function _M.collect(st, seq, h, pp, max_payload)
     if h.flags == FLAG_MORE then
         return nil
     end
-    return partial
+    return partial:ref()
 end
 
 
