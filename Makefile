@@ -11,7 +11,9 @@ ROOT         := $(abspath .)
 BUILD_DIR    ?= $(ROOT)/build
 NGINX_SRC    ?= /usr/share/nginx/src
 NGINX        ?= /usr/sbin/nginx
-PYTHON       ?= python3
+# Debian's python3 (its python3-pytest etc.); another python3 may come first
+# on PATH.
+PYTHON       ?= /usr/bin/python3
 PYTEST_ARGS  ?=
 SRC_DIR      := $(BUILD_DIR)/nginx-src
 MODULE       := $(BUILD_DIR)/ngx_loom_module.so
@@ -23,7 +25,7 @@ RUNTIMES     := $(patsubst %/Makefile,%,$(wildcard runtimes/*/Makefile))
 
 all: build
 
-# Installs the Debian and Python packages listed in deps/ that are missing.
+# Installs the Debian packages listed in deps/apt-packages.txt that are missing.
 deps:
 	@missing=$$(for p in $$(grep -v '^#' deps/apt-packages.txt); do \
 	    dpkg-query -W -f='$${Status}' $$p 2>/dev/null \
@@ -36,10 +38,6 @@ deps:
 	    DEBIAN_FRONTEND=noninteractive flock /tmp/apt.lock \
 	        apt-get install -y -qq $$missing >/dev/null; \
 	fi
-	@$(PYTHON) -m pip install -q --disable-pip-version-check \
-	    -r deps/pip-requirements.txt
-	@# Debian enables the packaged nginx on install; we start our own.
-	@-systemctl disable --now nginx >/dev/null 2>&1 || true
 
 build: $(MODULE) $(SINK)
 
