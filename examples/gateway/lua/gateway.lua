@@ -3,7 +3,8 @@
 -- order (events first: the others may publish through it).
 
 
-local AREAS = { "events", "timer", "publish", "offload", "watchdog" }
+local AREAS = { "events", "timer", "publish", "offload", "watchdog",
+                "observe" }
 
 local loaded = {}
 

@@ -66,13 +66,4 @@ function _M.config()
 end
 
 
-function _M.stats()
-    local res, err = events.get():collect("loom.events", 1)
-    if not res then
-        return reply(500, { error = err })
-    end
-    return reply(200, { workers = res })
-end
-
-
 return _M

@@ -73,22 +73,4 @@ function _M.hash()
 end
 
 
--- GET /loom/offload: every worker's runtimes, with call counts and
--- round-trip percentiles (microseconds)
-function _M.stats()
-    local res, how = offload.collect(1)
-    if not res then
-        return reply(500, { error = how })
-    end
-
-    local workers = {}
-    for id, list in pairs(res) do
-        workers[#workers + 1] = { worker = id, runtimes = list }
-    end
-    table.sort(workers, function(a, b) return a.worker < b.worker end)
-
-    reply(200, { workers = workers, scope = how or "all workers" })
-end
-
-
 return _M

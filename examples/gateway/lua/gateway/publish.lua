@@ -100,16 +100,4 @@ function _M.send()
 end
 
 
-function _M.stats()
-    if not p then
-        ngx.say(cjson.encode({ enabled = false, reason = off_reason }))
-        return
-    end
-    local all = publish.stats_all(1)
-    all.enabled = true
-    all.emulator = emulator
-    ngx.say(cjson.encode(all))
-end
-
-
 return _M

@@ -42,39 +42,20 @@ function _M.init_worker()
 end
 
 
+-- GET /loom/blocking: every worker's figures and reports from the
+-- status collector; ?format=svg a flame graph of the stalls
 function _M.blocking()
-    local args = ngx.req.get_uri_args()
-    local limit = tonumber(args.limit)
-    local workers = watchdog.collect(2)
-
-    if args.format == "svg" then
-        local all = {}
-        for _, w in pairs(workers) do
-            for _, r in ipairs(w.reports or {}) do
-                all[#all + 1] = r
-            end
-        end
-        ngx.header["Content-Type"] = "image/svg+xml"
-        ngx.print(watchdog.flamegraph(all))
-        return
+    if ngx.var.arg_format ~= "svg" then
+        return require("gateway.observe").serve("watchdog")
     end
-
-    local out = {}
-    for id, w in pairs(workers) do
-        local reports = w.reports or {}
-        if limit then
-            local cut = {}
-            for i = 1, math.min(limit, #reports) do
-                cut[i] = reports[i]
-            end
-            reports = cut
+    local all = {}
+    for _, w in pairs(watchdog.collect(2)) do
+        for _, r in ipairs(w.reports or {}) do
+            all[#all + 1] = r
         end
-        out[#out + 1] = { worker = id, stats = w.stats, reports = reports }
     end
-    table.sort(out, function(a, b)
-        return tostring(a.worker) < tostring(b.worker)
-    end)
-    reply(200, { workers = out })
+    ngx.header["Content-Type"] = "image/svg+xml"
+    ngx.print(watchdog.flamegraph(all))
 end
 
 

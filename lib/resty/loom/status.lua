@@ -1,0 +1,608 @@
+-- resty.loom.status: one view of every worker. Each worker answers a
+-- "loom.status" collect on the events bus with a snapshot of the loaded
+-- modules' figures, already in one vocabulary (seconds, bytes, `_total`
+-- counters, one histogram shape); the worker serving the request merges
+-- the answers into one document and marks the workers that did not answer
+-- in time. This file is the one place that maps each module's own stats
+-- fields to that vocabulary. See docs/observability.md.
+
+
+local cjson = require "cjson.safe"
+local hist = require "resty.loom.status.hist"
+
+local ngx = ngx
+local ngx_now = ngx.now
+local ngx_update_time = ngx.update_time
+local pairs = pairs
+local next = next
+local ipairs = ipairs
+local type = type
+local tonumber = tonumber
+local tostring = tostring
+local pcall = pcall
+local error = error
+local huge = math.huge
+local floor = math.floor
+local str_format = string.format
+local str_find = string.find
+local str_sub = string.sub
+local str_match = string.match
+local setmetatable = setmetatable
+local tbl_sort = table.sort
+local loaded = package.loaded
+
+local COLLECTOR = "loom.status"
+local PUBLISH_COLLECTOR = "loom.publish"
+local MODULES = { "events", "timers", "offload", "watchdog", "publish" }
+local REPORTS_KEPT = 8             -- stall reports per worker in a snapshot
+local MAX_TIMEOUT = 10
+
+-- the log-bucket histograms of resty.loom.histogram (events, publish):
+-- bucket i holds [1e-6 * 1.09^i, 1e-6 * 1.09^(i+1)) s, bucket 0 also what
+-- is below; checked against the module by tests/test_status.py
+local LH_MIN, LH_GROWTH, LH_LAST = 1e-6, 1.09, 255
+-- resty.loom.timer.stats: bucket 0 is under 1 us, bucket i >= 1 holds
+-- [1.2^(i-1), 1.2^i) us
+local TH_GROWTH, TH_LAST = 1.2, 119
+
+
+local _M = { _VERSION = "0.1.0" }
+
+local started = ngx_now()
+
+
+local function lh_lower(i)
+    return i == 0 and 0 or LH_MIN * LH_GROWTH ^ i
+end
+
+
+local function lh_upper(i)
+    return i == LH_LAST and huge or LH_MIN * LH_GROWTH ^ (i + 1)
+end
+
+
+local function th_lower(i)
+    return i == 0 and 0 or TH_GROWTH ^ (i - 1) / 1e6
+end
+
+
+local function th_upper(i)
+    if i == TH_LAST then
+        return huge
+    end
+    return i == 0 and 1e-6 or TH_GROWTH ^ i / 1e6
+end
+
+
+-- a resty.loom.histogram object
+local function from_lh(h)
+    local b = h.buckets
+    return hist.rebin(function(i) return tonumber(b[i]) end, 0, LH_LAST,
+                      lh_lower, lh_upper, h.sum)
+end
+
+
+local function sum_kinds(t)
+    if type(t) ~= "table" then
+        return tonumber(t) or 0
+    end
+    local n = 0
+    for _, v in pairs(t) do
+        n = n + (tonumber(v) or 0)
+    end
+    return n
+end
+
+
+-- mappings, one per module -----------------------------------------------
+
+
+local function map_events(bus)
+    local s = bus:stats()
+    local q = s.queue or {}
+    local out = {
+        connected = s.connected and true or false,
+        published_total = sum_kinds(s.published),
+        delivered_total = s.delivered,
+        handler_calls_total = s.handler_calls,
+        handler_errors_total = s.handler_errors,
+        dropped_total = sum_kinds(s.dropped),
+        gaps_total = s.gaps,
+        duplicates_total = s.duplicates,
+        reconnects_total = s.reconnects,
+        rejected_total = s.rejected,
+        queue_events = (q.unsent or 0) + (q.unacked or 0),
+        queue_bytes = q.pending_bytes,
+        inbox_events = q.inbox,
+    }
+    if bus.latency then
+        out.delivery_seconds = from_lh(bus.latency)
+    end
+    local b = s.broker
+    if type(b) == "table" then
+        local qe, qb = 0, 0
+        for _, bq in pairs(b.queues or {}) do
+            qe = qe + (bq.events or 0)
+            qb = qb + (bq.bytes or 0)
+        end
+        out.broker = {
+            connections = b.connections,
+            accepted_total = b.accepted,
+            rejected_total = sum_kinds(b.rejected),
+            forwarded_total = b.forwarded,
+            unique_suppressed_total = b.unique_suppressed,
+            dropped_total = sum_kinds(b.dropped),
+            slow_waits_total = b.slow_waits,
+            queue_events = qe,
+            queue_bytes = qb,
+        }
+    end
+    return out
+end
+
+
+-- the per-site histograms of a raw timer stats table, added up
+local function timer_hist(sites, field, sum)
+    local dense = {}
+    for _, rec in pairs(sites) do
+        for k, c in pairs(rec[field] or {}) do
+            local i = tonumber(k)
+            dense[i] = (dense[i] or 0) + c
+        end
+    end
+    return hist.rebin(function(i) return dense[i] end, 0, TH_LAST,
+                      th_lower, th_upper, sum)
+end
+
+
+local function map_timers(timer)
+    local s = timer.stats({ raw = true })
+    local t = s.totals or {}
+    local rt_sum = 0
+    for _, rec in pairs(s.sites or {}) do
+        rt_sum = rt_sum + (rec.rt_sum or 0)
+    end
+    return {
+        timers = s.timers,
+        pending = s.pending,
+        queued = s.queued,
+        running = s.running,
+        paused = s.paused,
+        created_total = t.created,
+        runs_total = t.runs,
+        errors_total = t.errors,
+        cancelled_total = t.cancelled,
+        overruns_total = t.overruns,
+        skipped_total = t.skipped,
+        premature_total = t.premature,
+        dropped_total = t.dropped,
+        run_seconds = timer_hist(s.sites or {}, "rt", rt_sum / 1e6),
+        lateness_seconds = timer_hist(s.sites or {}, "late"),
+        queue_wait_seconds = timer_hist(s.sites or {}, "qw"),
+    }
+end
+
+
+local function map_offload(offload)
+    local runtimes = {}
+    for _, r in ipairs(offload.worker_stats()) do
+        local lat = r.latency or {}
+        local n = lat.count or 0
+        -- the file name, not where it is installed
+        local name = str_match(r.name or "?", "([^/]+)$")
+        while runtimes[name] do
+            name = name .. "+"
+        end
+        runtimes[name] = {
+            state = r.state,
+            threads = r.threads,
+            queued = r.queued,
+            running = r.running,
+            peak_queued = r.peak_queued,
+            submitted_total = r.submitted,
+            completed_total = r.completed,
+            errors_total = r.errors,
+            timeouts_total = r.timeouts,
+            rejected_total = r.rejected,
+            closed_total = r.closed,
+            aborted_total = r.aborted,
+            late_total = r.late,
+            -- the C core gives percentiles (microseconds), not buckets
+            call_seconds = {
+                count = n,
+                sum = n * (lat.mean or 0) / 1e6,
+                max = (lat.max or 0) / 1e6,
+                p50 = (lat.p50 or 0) / 1e6,
+                p90 = (lat.p90 or 0) / 1e6,
+                p99 = (lat.p99 or 0) / 1e6,
+                p999 = (lat.p999 or 0) / 1e6,
+            },
+        }
+    end
+    return { runtimes = runtimes }
+end
+
+
+-- a request line may carry credentials in its query string: path only
+local function path_of(uri)
+    if type(uri) ~= "string" then
+        return nil
+    end
+    local q = str_find(uri, "?", 1, true)
+    return q and str_sub(uri, 1, q - 1) or uri
+end
+
+
+local function map_report(r)
+    local frames = {}
+    for i, f in ipairs(r.backtrace or {}) do
+        frames[i] = { func = f.func, source = f.source, line = f.line }
+    end
+    return {
+        id = r.id,
+        time = r.time,
+        duration_seconds = (r.duration_ms or 0) / 1000,
+        kind = r.kind,
+        phase = r.phase,
+        syscall = r.syscall,
+        request = r.request and { method = r.request.method,
+                                  path = path_of(r.request.uri) } or nil,
+        timer = r.timer,
+        backtrace = frames,
+        backtrace_missing = r.backtrace_missing,
+    }
+end
+
+
+local function map_watchdog(watchdog)
+    local s = watchdog.stats()
+    local h = s.histogram or {}
+    local function le(i)
+        local v = h[i] and h[i].le_ms
+        return type(v) == "number" and v / 1000 or huge
+    end
+    local reports = {}
+    for i, r in ipairs(watchdog.reports({ limit = REPORTS_KEPT })) do
+        reports[i] = map_report(r)
+    end
+    return {
+        running = s.running,
+        threshold_seconds = (s.threshold_ms or 0) / 1000,
+        iterations_total = s.iterations,
+        busy_seconds_total = (s.busy_ms or 0) / 1000,
+        max_iteration_seconds = (s.max_ms or 0) / 1000,
+        stalls_total = s.stalls,
+        reports_total = s.reports,
+        reports_dropped_total = s.reports_dropped,
+        samples_total = s.samples,
+        samples_dropped_total = s.samples_dropped,
+        iteration_seconds = hist.rebin(
+            function(i) return h[i] and h[i].count end, 1, #h,
+            function(i) return i == 1 and 0 or le(i - 1) end, le,
+            (s.busy_ms or 0) / 1000),
+        reports = reports,
+    }
+end
+
+
+-- one worker's figures as the "loom.publish" collector exports them
+local function map_publish(per_name)
+    local pubs = {}
+    for name, p in pairs(per_name) do
+        local dense = {}
+        for _, pr in ipairs(p.latency_buckets or {}) do
+            dense[pr[1]] = pr[2]
+        end
+        pubs[name] = {
+            topic = p.topic,
+            buffered_messages = p.buffered_messages,
+            buffered_bytes = p.buffered_bytes,
+            in_flight_batches = p.in_flight,
+            in_flight_messages = p.in_flight_messages,
+            sent_total = p.sent,
+            failed_total = p.failed,
+            retried_total = p.retried,
+            dropped_total = p.dropped,
+            rejected_total = p.rejected,
+            batches_total = p.batches,
+            http_requests_total = p.http_requests,
+            token_refreshes_total = p.token_refreshes,
+        }
+        -- (merged figures, without a bus, have no buckets)
+        if p.latency_buckets then
+            pubs[name].latency_seconds = hist.rebin(
+                function(i) return dense[i] end, 0, LH_LAST, lh_lower,
+                lh_upper, p.latency_sum)
+        end
+    end
+    return { publishers = pubs }
+end
+
+
+-- this worker ----------------------------------------------------------
+
+
+local function try(map, mod)
+    local ok, res = pcall(map, mod)
+    if ok then
+        return res
+    end
+    return { error = "failed to read stats: " .. tostring(res) }
+end
+
+
+-- this worker's snapshot; modules not loaded are absent
+function _M.snapshot()
+    ngx_update_time()
+    local w = {
+        pid = ngx.worker.pid(),
+        id = ngx.worker.id(),
+        uptime_s = ngx_now() - started,
+        lua_memory_bytes = collectgarbage("count") * 1024,
+    }
+    local events = loaded["resty.loom.events"]
+    local bus = events and events.get()
+    if bus then
+        w.events = try(map_events, bus)
+    end
+    if loaded["resty.loom.timer"] then
+        w.timers = try(map_timers, loaded["resty.loom.timer"])
+    end
+    if loaded["resty.loom.offload"] then
+        w.offload = try(map_offload, loaded["resty.loom.offload"])
+    end
+    local wd = loaded["resty.loom.watchdog"]
+    if wd and wd.stats then
+        local ok, s = pcall(wd.stats)
+        -- a watchdog never started in this worker shows nothing
+        if ok and s.running ~= nil and (s.running or s.iterations > 0) then
+            w.watchdog = try(map_watchdog, wd)
+        end
+    end
+    return w
+end
+
+
+-- all workers -----------------------------------------------------------
+
+
+local function is_counter_like(k)
+    return str_find(k, "_total$") ~= nil
+           or k == "queued" or k == "running" or k == "pending"
+           or k == "timers" or k == "paused" or k == "threads"
+           or k == "connections" or str_find(k, "^queue_") ~= nil
+           or str_find(k, "^buffered_") ~= nil
+           or str_find(k, "^in_flight") ~= nil
+           or k == "inbox_events" or k == "peak_queued"
+end
+
+
+-- adds src's additive figures into dst: counters, gauges of amounts,
+-- histograms; named sub-tables recursively, lists (reports) not at all
+local function merge(dst, src)
+    for k, v in pairs(src) do
+        if type(v) == "number" and is_counter_like(k) then
+            dst[k] = (dst[k] or 0) + v
+        elseif type(v) == "number" and str_find(k, "^max_") then
+            if not dst[k] or v > dst[k] then
+                dst[k] = v
+            end
+        elseif hist.is(v) then
+            dst[k] = hist.add(dst[k], v)
+        elseif type(v) == "table" and v[1] == nil and k ~= "call_seconds"
+        then
+            dst[k] = dst[k] or {}
+            merge(dst[k], v)
+        elseif k == "call_seconds" then
+            local d = dst[k] or { count = 0, sum = 0 }
+            d.count = d.count + v.count
+            d.sum = d.sum + v.sum
+            dst[k] = d
+        end
+    end
+    return dst
+end
+
+
+local function nginx_info()
+    local v = ngx.config.nginx_version
+    local info = {
+        version = str_format("%d.%d.%d", floor(v / 1e6),
+                             floor(v / 1000) % 1000, v % 1000),
+        lua_version = ngx.config.ngx_lua_version,
+        worker_processes = ngx.worker.count(),
+    }
+    if ngx.get_phase() == "content" then
+        for _, k in ipairs({ "active", "reading", "writing", "waiting" }) do
+            local ok, v = pcall(function()
+                return ngx.var["connections_" .. k]
+            end)
+            if ok and v then
+                info["connections_" .. k] = tonumber(v)
+            end
+        end
+    end
+    return info
+end
+
+
+local function collect_one(bus, name, timeout)
+    local ok, res, err = pcall(bus.collect, bus, name, timeout)
+    if not ok then
+        return nil, tostring(res)
+    end
+    return res, err
+end
+
+
+local function check_timeout(timeout)
+    if timeout == nil then
+        return 0.5
+    end
+    if type(timeout) ~= "number" or timeout ~= timeout or timeout <= 0
+       or timeout > MAX_TIMEOUT
+    then
+        error("timeout must be a number in (0, " .. MAX_TIMEOUT .. "]", 3)
+    end
+    return timeout
+end
+
+
+-- doc = status.collect(timeout): every worker's snapshot, asked over the
+-- events bus (this worker only when there is none); a worker that does
+-- not answer within timeout seconds (default 0.5) has error = "timeout"
+function _M.collect(timeout)
+    timeout = check_timeout(timeout)
+    local events = loaded["resty.loom.events"]
+    local bus = events and events.get()
+    local per, pubs, source
+    local count = ngx.worker.count()
+
+    if bus then
+        local th
+        if loaded["resty.loom.publish"] then
+            th = ngx.thread.spawn(collect_one, bus, PUBLISH_COLLECTOR,
+                                  timeout)
+        end
+        local err
+        per, err = collect_one(bus, COLLECTOR, timeout)
+        if th then
+            local ok, res = ngx.thread.wait(th)
+            pubs = ok and res or nil
+        end
+        if per then
+            source = "events"
+        else
+            ngx.log(ngx.WARN, "[loom.status] ", err,
+                    ": this worker's figures only")
+        end
+    end
+
+    if not per then
+        local w = _M.snapshot()
+        local pub = loaded["resty.loom.publish"]
+        if pub then
+            -- without a bus this is this worker's own, merged per name
+            local ok, all = pcall(pub.stats_all, timeout)
+            if ok and type(all) == "table" and next(all.publishers or {})
+            then
+                w.publish = try(map_publish, all.publishers)
+            end
+        end
+        per = { [tostring(w.id or 0)] = w }
+        source = "local"
+        count = nil
+    end
+
+    local workers = {}
+    local seen = {}
+    for key, w in pairs(per) do
+        local id = tonumber(key)
+        if type(w) == "table" and id and id >= 0 then
+            seen[id] = true
+            local p = pubs and pubs[key]
+            if type(p) == "table" and next(p) then
+                w.publish = try(map_publish, p)
+            elseif pubs and p == nil then
+                w.publish = { error = "timeout" }
+            end
+            local wd = w.watchdog
+            if type(wd) == "table" and type(wd.reports) == "table" then
+                -- lists stay lists in JSON, empty or not
+                setmetatable(wd.reports, cjson.array_mt)
+                for _, r in ipairs(wd.reports) do
+                    setmetatable(r.backtrace, cjson.array_mt)
+                end
+            end
+            workers[#workers + 1] = w
+        end
+    end
+    for id = 0, (count or 0) - 1 do
+        if not seen[id] then
+            workers[#workers + 1] = { id = id, error = "timeout" }
+        end
+    end
+    tbl_sort(workers, function(a, b) return a.id < b.id end)
+
+    local totals = {}
+    for _, w in ipairs(workers) do
+        for _, m in ipairs(MODULES) do
+            if type(w[m]) == "table" and not w[m].error then
+                totals[m] = merge(totals[m] or {}, w[m])
+            end
+        end
+    end
+
+    ngx_update_time()
+    return {
+        version = _M._VERSION,
+        time = ngx_now(),
+        source = source,
+        nginx = nginx_info(),
+        workers = workers,
+        totals = totals,
+    }
+end
+
+
+-- the document with one module's figures only (for /loom/<module>)
+function _M.only(doc, module)
+    local workers = {}
+    for i, w in ipairs(doc.workers) do
+        workers[i] = { pid = w.pid, id = w.id, uptime_s = w.uptime_s,
+                       error = w.error, [module] = w[module] }
+    end
+    return {
+        version = doc.version,
+        time = doc.time,
+        source = doc.source,
+        nginx = doc.nginx,
+        workers = workers,
+        totals = { [module] = doc.totals[module] },
+    }
+end
+
+
+local page_html
+
+-- the dashboard (status/dashboard.html next to this file): it polls
+-- /loom/status and loads Chart.js from /loom/chart.js
+function _M.page()
+    if page_html then
+        return page_html
+    end
+    local me = package.searchpath("resty.loom.status", package.path)
+    if not me then
+        return nil, "failed to find resty/loom/status.lua"
+    end
+    local path = str_sub(me, 1, -5) .. "/dashboard.html"
+    local f, err = io.open(path, "rb")
+    if not f then
+        return nil, "failed to read the dashboard: " .. err
+    end
+    page_html = f:read("*a")
+    f:close()
+    return page_html
+end
+
+
+function _M.register_collector()
+    local ok, events = pcall(require, "resty.loom.events")
+    if not ok or type(events) ~= "table" or not events.register_collector
+    then
+        return nil, "resty.loom.events is not available"
+    end
+    events.register_collector(COLLECTOR, _M.snapshot)
+    return true
+end
+
+
+-- in init_worker_by_lua: this worker's uptime starts now; registers the
+-- collector
+function _M.init_worker()
+    started = ngx_now()
+    return _M.register_collector()
+end
+
+
+return _M
