@@ -319,6 +319,10 @@ local function map_publish(per_name)
 end
 
 
+-- a resty.loom.histogram in the status shape (for figures of your own)
+_M.from_histogram = from_lh
+
+
 -- this worker ----------------------------------------------------------
 
 

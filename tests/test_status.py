@@ -1,0 +1,287 @@
+"""resty.loom.status: one JSON document of every worker, gathered over the
+events bus; workers that do not answer in time; modules absent; histogram
+shapes; nothing secret in the output."""
+
+import json
+import threading
+import time
+
+import pytest
+
+from pubsub.fake import FakePubSub
+
+LE = [0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
+      0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10]
+
+BUS = """
+    server {
+        listen unix:$PREFIX/sock/bus.sock;
+        lua_socket_buffer_size 64k;
+        location / {
+            content_by_lua_block { require("resty.loom.events").get():serve() }
+        }
+    }
+"""
+
+
+def http(init="", worker=""):
+    return """
+    lua_shared_dict loom_publish 1m;
+    init_by_lua_block {
+        require("resty.loom.events").new({
+            socket = ngx.config.prefix() .. "sock/bus.sock" })
+        require("resty.loom.status").register_collector()
+        %s
+    }
+    init_worker_by_lua_block {
+        local bus = require("resty.loom.events").get()
+        assert(bus:init_worker())
+        bus:subscribe("t", "*", function() end)
+        require("resty.loom.status").init_worker()
+        %s
+    }
+    """ % (init, worker) + BUS
+
+
+SERVER = r"""
+    location = /status {
+        content_by_lua_block {
+            local status = require "resty.loom.status"
+            local doc = status.collect(tonumber(ngx.var.arg_timeout))
+            if ngx.var.arg_only then
+                doc = status.only(doc, ngx.var.arg_only)
+            end
+            ngx.say(require("cjson").encode(doc))
+        }
+    }
+    location = /metrics {
+        content_by_lua_block {
+            local status = require "resty.loom.status"
+            ngx.print(require("resty.loom.status.prometheus").render(
+                status.collect()))
+        }
+    }
+    location = /pub {
+        content_by_lua_block {
+            local bus = require("resty.loom.events").get()
+            for i = 1, tonumber(ngx.var.arg_n) do
+                assert(bus:publish("all", "t", "x",
+                                   { i = i, secret = ngx.var.arg_data }))
+            end
+            ngx.say("ok")
+        }
+    }
+    location = /spin {
+        content_by_lua_block {
+            ngx.update_time()
+            local stop = ngx.now() + tonumber(ngx.var.arg_s)
+            while ngx.now() < stop do
+                ngx.update_time()
+            end
+            ngx.say(ngx.worker.id())
+        }
+    }
+"""
+
+
+def status(n, **args):
+    q = "&".join("%s=%s" % kv for kv in args.items())
+    r = n.get("/status" + ("?" + q if q else ""))
+    assert r.status == 200, r.text
+    return r.json()
+
+
+def check_hist(h):
+    assert sorted(h) == ["buckets", "count", "le", "sum"]
+    assert h["le"] == LE
+    assert len(h["buckets"]) == len(LE)
+    assert all(a <= b for a, b in zip(h["buckets"], h["buckets"][1:]))
+    assert h["buckets"][-1] <= h["count"]
+    assert h["sum"] >= 0
+
+
+def wait_for(fn, timeout=10):
+    deadline = time.time() + timeout
+    while True:
+        v = fn()
+        if v or time.time() > deadline:
+            return v
+        time.sleep(0.05)
+
+
+def test_every_worker_in_one_document(nginx):
+    n = nginx(workers=4, http=http(), server=SERVER)
+    assert wait_for(lambda: all(
+        not w.get("error") and w["events"]["connected"]
+        for w in status(n)["workers"]))
+    assert n.get("/pub?n=100&data=x").status == 200
+
+    def delivered():
+        doc = status(n)
+        return doc if [w["events"]["delivered_total"]
+                       for w in doc["workers"]] == [100] * 4 else None
+    doc = wait_for(delivered)
+    assert doc, status(n)
+    assert doc["source"] == "events"
+    assert doc["version"]
+    assert doc["nginx"]["version"].count(".") == 2
+    assert doc["nginx"]["worker_processes"] == 4
+    assert [w["id"] for w in doc["workers"]] == [0, 1, 2, 3]
+    assert sorted(w["pid"] for w in doc["workers"]) == \
+        sorted(n.worker_pids())
+    for w in doc["workers"]:
+        assert w["uptime_s"] > 0 and w["lua_memory_bytes"] > 0
+        # modules this nginx never loaded are absent, not errors
+        assert "timers" not in w and "offload" not in w
+        assert "watchdog" not in w and "publish" not in w
+        check_hist(w["events"]["delivery_seconds"])
+    assert doc["totals"]["events"]["delivered_total"] == 400
+    assert sorted(doc["totals"]) == ["events"]
+    # the broker (worker 0) forwarded the 100 events
+    assert doc["workers"][0]["events"]["broker"]["forwarded_total"] >= 100
+    only = status(n, only="events")
+    assert sorted(only["workers"][0]) == ["events", "id", "pid", "uptime_s"]
+
+
+def test_worker_that_does_not_answer(nginx):
+    n = nginx(workers=2, http=http(), server=SERVER)
+    assert wait_for(lambda: all(not w.get("error")
+                                for w in status(n)["workers"]))
+    spun = {}
+
+    def spin():
+        spun["worker"] = int(n.get("/spin?s=1.5").text)
+    t = threading.Thread(target=spin)
+    t.start()
+    time.sleep(0.2)
+    start = time.time()
+    doc = status(n, timeout=0.3)
+    took = time.time() - start
+    t.join()
+    # the answer came from the other worker while the first one spun
+    assert took < 1.0, took
+    bad = [w for w in doc["workers"] if w.get("error")]
+    assert bad == [{"id": spun["worker"], "error": "timeout"}]
+    good = [w for w in doc["workers"] if not w.get("error")]
+    assert [w["id"] for w in good] == [1 - spun["worker"]]
+    assert good[0]["events"]["connected"]
+    m = n.get("/metrics").text
+    assert 'loom_worker_up{worker="%d"} 1' % good[0]["id"] in m
+
+
+def test_without_a_bus_this_worker_only(nginx):
+    n = nginx(workers=2, http="""
+    init_worker_by_lua_block { require("resty.loom.status").init_worker() }
+    """, server=SERVER)
+    doc = status(n)
+    assert doc["source"] == "local"
+    assert len(doc["workers"]) == 1
+    w = doc["workers"][0]
+    assert w["pid"] in n.worker_pids()
+    assert "events" not in w and doc["totals"] == {}
+    assert "error" not in w
+
+
+HIST_CHECK = r"""
+    location = /hist {
+        content_by_lua_block {
+            -- values recorded by the modules' own histograms land in the
+            -- status buckets that hold them
+            local histogram = require "resty.loom.histogram"
+            local status = require "resty.loom.status"
+            local timer = require "resty.loom.timer"
+            local out = {}
+            local h = histogram.new()
+            h:record(0.0004)
+            h:record(0.003)
+            h:record(0.003)
+            h:record(7)
+            out.lh = status.from_histogram(h)
+            local function spin(ms)
+                ngx.update_time()
+                local stop = ngx.now() + ms / 1000
+                while ngx.now() < stop do
+                    ngx.update_time()
+                end
+            end
+            assert(timer.at(0, function() spin(15) end))
+            assert(timer.at(0, function() spin(150) end))
+            ngx.sleep(0.3)
+            out.timers = status.snapshot().timers
+            ngx.say(require("cjson").encode(out))
+        }
+    }
+"""
+
+
+def test_histograms_from_the_modules(nginx):
+    n = nginx(workers=1, http="", server=HIST_CHECK)
+    out = n.get("/hist").json()
+    lh = out["lh"]
+    check_hist(lh)
+    cum = dict(zip(LE, lh["buckets"]))
+    assert (cum[0.00025], cum[0.0005], cum[0.0025], cum[0.005],
+            cum[5], cum[10]) == (0, 1, 1, 3, 3, 4)
+    assert lh["count"] == 4 and abs(lh["sum"] - 7.0064) < 1e-9
+    rt = out["timers"]["run_seconds"]
+    check_hist(rt)
+    cum = dict(zip(LE, rt["buckets"]))
+    # 15 ms and 150 ms, with room for a busy machine's preemptions
+    assert (cum[0.01], cum[0.025], cum[0.1], cum[0.25]) == (0, 1, 1, 2)
+    assert 0.165 <= rt["sum"] < 0.3
+    assert out["timers"]["runs_total"] == 2
+    check_hist(out["timers"]["lateness_seconds"])
+    assert out["timers"]["lateness_seconds"]["count"] == 2
+
+
+SECRET_TOKEN = "tok-SECRET-5b1f0c"
+SECRET_QUERY = "qry-SECRET-77ad02"
+SECRET_PAYLOAD = "pay-SECRET-c03e99"
+SECRET_HEADER = "hdr-SECRET-9e41aa"
+
+
+def test_no_secret_in_json_or_metrics(nginx):
+    fake = FakePubSub()
+    try:
+        n = nginx(workers=2, http=http(worker="""
+            require("resty.loom.watchdog").start({ threshold = 50 })
+            P = require("resty.loom.publish").new({
+                project = "proj", topic = "topic", endpoint = "%s",
+                credentials = { type = "token", token = "%s" },
+                batch_max_delay = 0.01 })
+        """ % (fake.url, SECRET_TOKEN)), server=SERVER + """
+    location = /send {
+        content_by_lua_block {
+            assert(P:send(ngx.var.arg_data, { note = ngx.var.arg_data }))
+        }
+    }
+""")
+        for _ in range(5):
+            assert n.get("/send?data=" + SECRET_PAYLOAD).status == 200
+        assert n.get("/pub?n=3&data=" + SECRET_PAYLOAD).status == 200
+        assert n.get("/spin?s=0.2&key=" + SECRET_QUERY,
+                     headers={"Authorization": "Bearer " + SECRET_HEADER,
+                              "Cookie": "s=" + SECRET_HEADER}).status == 200
+        fake.wait_messages(5)
+
+        def ready():
+            doc = status(n)
+            pubs = [w.get("publish", {}).get("publishers", {}).get("proj/topic")
+                    for w in doc["workers"]]
+            sent = sum(p["sent_total"] for p in pubs if p)
+            stalls = [r for w in doc["workers"]
+                      for r in w.get("watchdog", {}).get("reports", [])]
+            return doc if sent == 5 and stalls else None
+        doc = wait_for(ready)
+        assert doc, status(n)
+        # the figures are there, the secrets are not
+        rep = [r for w in doc["workers"] for r in w["watchdog"]["reports"]][0]
+        assert rep["request"] == {"method": "GET", "path": "/spin"}
+        assert rep["duration_seconds"] >= 0.15
+        assert rep["backtrace"]
+        text = json.dumps(doc) + n.get("/metrics").text
+        assert "loom_publish_sent_total" in text
+        for s in (SECRET_TOKEN, SECRET_QUERY, SECRET_PAYLOAD, SECRET_HEADER):
+            assert s not in text
+    finally:
+        fake.close()
