@@ -7,7 +7,6 @@
 -- fields to that vocabulary. See docs/observability.md.
 
 
-local cjson = require "cjson.safe"
 local hist = require "resty.loom.status.hist"
 
 local ngx = ngx
@@ -27,7 +26,6 @@ local str_format = string.format
 local str_find = string.find
 local str_sub = string.sub
 local str_match = string.match
-local setmetatable = setmetatable
 local tbl_sort = table.sort
 local loaded = package.loaded
 
@@ -248,7 +246,8 @@ local function map_report(r)
         request = r.request and { method = r.request.method,
                                   path = path_of(r.request.uri) } or nil,
         timer = r.timer,
-        backtrace = frames,
+        -- (Debian's cjson writes an empty list as {}: none is left out)
+        backtrace = frames[1] and frames or nil,
         backtrace_missing = r.backtrace_missing,
     }
 end
@@ -280,7 +279,7 @@ local function map_watchdog(watchdog)
             function(i) return h[i] and h[i].count end, 1, #h,
             function(i) return i == 1 and 0 or le(i - 1) end, le,
             (s.busy_ms or 0) / 1000),
-        reports = reports,
+        reports = reports[1] and reports or nil,
     }
 end
 
@@ -509,14 +508,6 @@ function _M.collect(timeout)
                 w.publish = try(map_publish, p)
             elseif pubs and p == nil then
                 w.publish = { error = "timeout" }
-            end
-            local wd = w.watchdog
-            if type(wd) == "table" and type(wd.reports) == "table" then
-                -- lists stay lists in JSON, empty or not
-                setmetatable(wd.reports, cjson.array_mt)
-                for _, r in ipairs(wd.reports) do
-                    setmetatable(r.backtrace, cjson.array_mt)
-                end
             end
             workers[#workers + 1] = w
         end
