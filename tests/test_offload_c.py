@@ -105,6 +105,6 @@ def test_gateway_endpoints(nginx):
     r = n.get("/loom/offload")
     assert r.status == 200
     workers = r.json()["workers"]
-    assert workers and all(w["runtimes"][0]["state"] == "ready"
-                           for w in workers)
-    assert workers[0]["runtimes"][0]["completed"] == 1
+    rts = [w["offload"]["runtimes"]["libloom_offload_c.so"] for w in workers]
+    assert rts and all(rt["state"] == "ready" for rt in rts)
+    assert rts[0]["completed_total"] == 1

@@ -139,10 +139,11 @@ local function map_events(bus)
 end
 
 
--- the per-site histograms of a raw timer stats table, added up
-local function timer_hist(sites, field, sum)
+-- the histograms of raw timer records (from stats({ raw = true })),
+-- added up
+local function timer_hist(recs, field, sum)
     local dense = {}
-    for _, rec in pairs(sites) do
+    for _, rec in pairs(recs) do
         for k, c in pairs(rec[field] or {}) do
             local i = tonumber(k)
             dense[i] = (dense[i] or 0) + c
@@ -153,14 +154,38 @@ local function timer_hist(sites, field, sum)
 end
 
 
+-- a raw timer record's (or a set of them) figures: run time sums are
+-- kept, lateness and queue wait sums are estimated from the buckets
+local function timer_figures(recs, out)
+    local rt_sum = 0
+    for _, rec in pairs(recs) do
+        rt_sum = rt_sum + (rec.rt_sum or 0)
+    end
+    out.run_seconds = timer_hist(recs, "rt", rt_sum / 1e6)
+    out.lateness_seconds = timer_hist(recs, "late")
+    out.queue_wait_seconds = timer_hist(recs, "qw")
+    return out
+end
+
+
 local function map_timers(timer)
     local s = timer.stats({ raw = true })
     local t = s.totals or {}
-    local rt_sum = 0
-    for _, rec in pairs(s.sites or {}) do
-        rt_sum = rt_sum + (rec.rt_sum or 0)
+    -- per name (names are few and chosen by the code; sites can be many
+    -- and are in the flame graph)
+    local names = {}
+    for name, rec in pairs(s.names or {}) do
+        names[name] = timer_figures({ rec }, {
+            pending = rec.pending,
+            running = rec.running,
+            created_total = rec.created,
+            runs_total = rec.runs,
+            errors_total = rec.errors,
+            overruns_total = rec.overruns,
+            skipped_total = rec.skipped,
+        })
     end
-    return {
+    return timer_figures(s.sites or {}, {
         timers = s.timers,
         pending = s.pending,
         queued = s.queued,
@@ -174,10 +199,8 @@ local function map_timers(timer)
         skipped_total = t.skipped,
         premature_total = t.premature,
         dropped_total = t.dropped,
-        run_seconds = timer_hist(s.sites or {}, "rt", rt_sum / 1e6),
-        lateness_seconds = timer_hist(s.sites or {}, "late"),
-        queue_wait_seconds = timer_hist(s.sites or {}, "qw"),
-    }
+        names = names,
+    })
 end
 
 
@@ -231,18 +254,31 @@ local function path_of(uri)
 end
 
 
+local function seconds(ms)
+    return ms and ms / 1000
+end
+
+
 local function map_report(r)
     local frames = {}
     for i, f in ipairs(r.backtrace or {}) do
         frames[i] = { func = f.func, source = f.source, line = f.line }
     end
+    local hot = {}
+    for i, h in ipairs(r.hot or {}) do
+        hot[i] = { frame = h.frame, samples = h.samples, share = h.share }
+    end
     return {
         id = r.id,
         time = r.time,
-        duration_seconds = (r.duration_ms or 0) / 1000,
+        duration_seconds = seconds(r.duration_ms) or 0,
+        on_cpu_seconds = seconds(r.on_cpu_ms),
+        off_cpu_seconds = seconds(r.off_cpu_ms),
+        runqueue_seconds = seconds(r.runqueue_ms),
         kind = r.kind,
         phase = r.phase,
         syscall = r.syscall,
+        hot = hot[1] and hot or nil,
         request = r.request and { method = r.request.method,
                                   path = path_of(r.request.uri) } or nil,
         timer = r.timer,
