@@ -223,6 +223,10 @@ struct loom_offload_queue_s {
     uint64_t                     lat_max;
     uint64_t                     hist[LOOM_HIST_BUCKETS];
 
+    /* submit to a thread taking the task, microseconds */
+    uint64_t                     wait_sum;
+    uint64_t                     wait_hist[LOOM_HIST_BUCKETS];
+
     loom_offload_task_t          control;
 };
 
@@ -301,6 +305,8 @@ static int ngx_loom_offload_spawn(void *(*fn)(void *), void *data);
 static uint64_t ngx_loom_offload_now_ns(void);
 static ngx_uint_t ngx_loom_offload_hist_index(uint64_t us);
 static double ngx_loom_offload_hist_value(ngx_uint_t i);
+void ngx_loom_offload_ffi_histogram(loom_offload_queue_t *q, int which,
+    const double *le, int n, double *out);
 
 /* the host table handed to runtimes */
 static int ngx_loom_offload_wait(loom_offload_queue_t *q, int timeout_ms,
@@ -975,6 +981,7 @@ ngx_loom_offload_gc_handler(ngx_event_t *ev)
 static void
 ngx_loom_offload_done(loom_offload_task_t *t)
 {
+    uint64_t               us;
     loom_offload_queue_t  *q;
 
     q = t->queue;
@@ -990,6 +997,10 @@ ngx_loom_offload_done(loom_offload_task_t *t)
      * does not turn polling off for long
      */
     if (t->take_ns) {
+        us = (t->take_ns - t->start_ns) / 1000;
+        q->wait_sum += us;
+        q->wait_hist[ngx_loom_offload_hist_index(us)]++;
+
         ngx_loom_offload_avg(&q->ewma_ns, t->answer_ns - t->take_ns,
                              2 * q->poll_ns);
         ngx_loom_offload_avg((t->kick || t->woke) ? &q->wake_ns
@@ -2183,5 +2194,54 @@ ngx_loom_offload_ffi_stats(loom_offload_queue_t *q,
 }
 
 /* }}} */
+
+/* {{{ histograms for resty.loom.status */
+
+/*
+ * the call-time (which 0) or queue-wait (which 1) histogram as n
+ * cumulative counts at the upper bounds le[] (seconds, increasing), each
+ * bucket counted at the first bound at or above its middle; out[n] is the
+ * count, out[n + 1] the sum in seconds. Main thread.
+ */
+void
+ngx_loom_offload_ffi_histogram(loom_offload_queue_t *q, int which,
+    const double *le, int n, double *out)
+{
+    int        j;
+    double     mid;
+    uint64_t  *h, total;
+    ngx_uint_t i;
+
+    h = which ? q->wait_hist : q->hist;
+
+    for (j = 0; j < n; j++) {
+        out[j] = 0;
+    }
+
+    total = 0;
+
+    for (i = 0; i < LOOM_HIST_BUCKETS; i++) {
+        if (h[i] == 0) {
+            continue;
+        }
+
+        total += h[i];
+        mid = ngx_loom_offload_hist_value(i) / 1e6;
+
+        for (j = 0; j < n && le[j] < mid; j++) {
+            /* void */
+        }
+
+        for ( /* void */ ; j < n; j++) {
+            out[j] += (double) h[i];
+        }
+    }
+
+    out[n] = (double) total;
+    out[n + 1] = (double) (which ? q->wait_sum : q->lat_sum) / 1e6;
+}
+
+/* }}} */
+
 
 /* vi:set ft=c ts=4 sw=4 et fdm=marker: */

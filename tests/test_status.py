@@ -3,11 +3,13 @@ events bus; workers that do not answer in time; modules absent; histogram
 shapes; nothing secret in the output."""
 
 import json
+import os
 import threading
 import time
 
 import pytest
 
+from loomtest.nginx import ROOT
 from pubsub.fake import FakePubSub
 
 LE = [0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
@@ -286,3 +288,46 @@ def test_no_secret_in_json_or_metrics(nginx):
             assert s not in text
     finally:
         fake.close()
+
+
+OFFLOAD_LIB = os.path.join(ROOT, "runtimes", "c", "libloom_offload_c.so")
+
+
+@pytest.mark.skipif(not os.path.exists(OFFLOAD_LIB),
+                    reason="the example C runtime is not built (make runtimes)")
+def test_offload_histograms(nginx):
+    # one thread, three 20 ms calls at once: they run one after the other,
+    # so they take about 20, 40 and 60 ms and wait about 0, 20 and 40 ms
+    n = nginx(workers=1, http="""
+    init_worker_by_lua_block {
+        RT = assert(require("resty.loom.offload").load("%s", "",
+                                                       { threads = 1 }))
+    }
+    """ % OFFLOAD_LIB, server="""
+    location = /calls {
+        content_by_lua_block {
+            local th = {}
+            for i = 1, 3 do
+                th[i] = ngx.thread.spawn(function()
+                    return assert(RT:call("sleep 20"))
+                end)
+            end
+            for i = 1, 3 do
+                assert(ngx.thread.wait(th[i]))
+            end
+            local s = require "resty.loom.status"
+            ngx.say(require("cjson").encode(s.snapshot().offload))
+        }
+    }
+    """)
+    rt = n.get("/calls").json()["runtimes"]["libloom_offload_c.so"]
+    assert rt["completed_total"] == 3
+    call, wait = rt["call_seconds"], rt["queue_wait_seconds"]
+    check_hist(call)
+    check_hist(wait)
+    cum = dict(zip(LE, call["buckets"]))
+    assert call["count"] == 3 and (cum[0.01], cum[0.1]) == (0, 3), call
+    assert 0.115 <= call["sum"] < 0.3
+    cum = dict(zip(LE, wait["buckets"]))
+    assert wait["count"] == 3 and cum[0.01] <= 1 and cum[0.1] == 3, wait
+    assert 0.055 <= wait["sum"] < 0.2

@@ -89,6 +89,8 @@ int ngx_loom_offload_ffi_state(loom_offload_queue_t *q, const char **err);
 int ngx_loom_offload_ffi_close(loom_offload_queue_t *q);
 void ngx_loom_offload_ffi_stats(loom_offload_queue_t *q,
     ngx_loom_offload_stats_t *st);
+void ngx_loom_offload_ffi_histogram(loom_offload_queue_t *q, int which,
+    const double *le, int n, double *out);
 ]]
 
 
@@ -490,6 +492,41 @@ function _M.stats(self)
             p999 = s.p999,
         },
     }
+end
+
+
+local HIST_WHICH = { call = 0, wait = 1 }
+
+
+-- rt:histogram(which, le): the call-time ("call": submit to answer) or
+-- queue-wait ("wait": submit to a thread taking the call) histogram as
+-- cumulative counts at the increasing upper bounds le (seconds), each
+-- internal bucket counted at the first bound at or above its middle:
+-- { buckets = {...}, count = n, sum = seconds }
+function _M.histogram(self, which, le)
+    local w = HIST_WHICH[which]
+    if not w then
+        error("which must be \"call\" or \"wait\"", 2)
+    end
+    local n = #le
+    local out = ffi_new("double[?]", n + 2)
+    C.ngx_loom_offload_ffi_histogram(self.queue, w,
+                                     ffi_new("double[?]", n, le), n, out)
+    local buckets = {}
+    for i = 1, n do
+        buckets[i] = out[i - 1]
+    end
+    return { buckets = buckets, count = out[n], sum = out[n + 1] }
+end
+
+
+-- the runtimes this worker loaded
+function _M.runtimes()
+    local res = {}
+    for i = 1, #loaded_list do
+        res[i] = loaded_list[i]
+    end
+    return res
 end
 
 

@@ -204,11 +204,17 @@ local function map_timers(timer)
 end
 
 
+local function offload_hist(rt, which)
+    local h = rt:histogram(which, hist.LE)
+    h.le = hist.LE
+    return h
+end
+
+
 local function map_offload(offload)
     local runtimes = {}
-    for _, r in ipairs(offload.worker_stats()) do
-        local lat = r.latency or {}
-        local n = lat.count or 0
+    for _, rt in ipairs(offload.runtimes()) do
+        local r = rt:stats()
         -- the file name, not where it is installed
         local name = str_match(r.name or "?", "([^/]+)$")
         while runtimes[name] do
@@ -228,16 +234,8 @@ local function map_offload(offload)
             closed_total = r.closed,
             aborted_total = r.aborted,
             late_total = r.late,
-            -- the C core gives percentiles (microseconds), not buckets
-            call_seconds = {
-                count = n,
-                sum = n * (lat.mean or 0) / 1e6,
-                max = (lat.max or 0) / 1e6,
-                p50 = (lat.p50 or 0) / 1e6,
-                p90 = (lat.p90 or 0) / 1e6,
-                p99 = (lat.p99 or 0) / 1e6,
-                p999 = (lat.p999 or 0) / 1e6,
-            },
+            call_seconds = offload_hist(rt, "call"),
+            queue_wait_seconds = offload_hist(rt, "wait"),
         }
     end
     return { runtimes = runtimes }
@@ -428,15 +426,9 @@ local function merge(dst, src)
             end
         elseif hist.is(v) then
             dst[k] = hist.add(dst[k], v)
-        elseif type(v) == "table" and v[1] == nil and k ~= "call_seconds"
-        then
+        elseif type(v) == "table" and v[1] == nil then
             dst[k] = dst[k] or {}
             merge(dst[k], v)
-        elseif k == "call_seconds" then
-            local d = dst[k] or { count = 0, sum = 0 }
-            d.count = d.count + v.count
-            d.sum = d.sum + v.sum
-            dst[k] = d
         end
     end
     return dst

@@ -105,8 +105,10 @@ local FAMILIES = {
       "Calls refused (queue full)", "runtimes" },
     { "offload", "aborted_total", "loom_offload_aborted_total", "counter",
       "Calls aborted", "runtimes" },
-    { "offload", "call_seconds", "loom_offload_call_seconds", "summary",
-      "Offload call round trip", "runtimes" },
+    { "offload", "call_seconds", "loom_offload_call_seconds", "histogram",
+      "Offload call round trip, submit to answer", "runtimes" },
+    { "offload", "queue_wait_seconds", "loom_offload_queue_wait_seconds",
+      "histogram", "Offload call wait for a runtime thread", "runtimes" },
 
     { "watchdog", "stalls_total", "loom_watchdog_stalls_total", "counter",
       "Event-loop iterations longer than the threshold" },
@@ -141,10 +143,6 @@ local FAMILIES = {
       "histogram", "send() to acknowledged batch, per message",
       "publishers" },
 }
-
-local QUANTILES = { "0.5", "0.9", "0.99", "0.999" }
-local Q_FIELDS = { "p50", "p90", "p99", "p999" }
-
 
 local _M = { _VERSION = "0.1.0" }
 
@@ -199,18 +197,6 @@ local function emit(out, name, typ, labels, v)
                    .. '"', v.buckets[i])
         end
         sample(out, name .. "_bucket", labels .. ',le="+Inf"', v.count)
-        sample(out, name .. "_sum", labels, v.sum)
-        sample(out, name .. "_count", labels, v.count)
-    elseif typ == "summary" then
-        if type(v) ~= "table" then
-            return
-        end
-        if v.count > 0 then
-            for i, q in ipairs(QUANTILES) do
-                sample(out, name, labels .. ',quantile="' .. q .. '"',
-                       v[Q_FIELDS[i]])
-            end
-        end
         sample(out, name .. "_sum", labels, v.sum)
         sample(out, name .. "_count", labels, v.count)
     elseif type(v) == "number" or type(v) == "boolean" then
