@@ -21,6 +21,7 @@ SECRET = "qry-SECRET-41d7e0"
 try:
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
+    from selenium.common.exceptions import TimeoutException
     from selenium.webdriver.support.ui import WebDriverWait
 except ImportError:
     webdriver = None
@@ -67,15 +68,18 @@ def browser(request):
 
 
 def text(driver, css):
-    els = driver.find_elements("css selector", css)
-    return els[0].text if els else None
+    # read in the page's own thread: the rows are rebuilt every refresh, so
+    # an element found first and read after may be gone (stale)
+    return driver.execute_script(
+        "var e = document.querySelector(arguments[0]);"
+        "return e ? e.innerText : null;", css)
 
 
 def wait(driver, what, fn, timeout):
     try:
         return WebDriverWait(driver, timeout, poll_frequency=0.1).until(
             lambda d: fn(d))
-    except Exception:
+    except TimeoutException:
         raise AssertionError("%s: not within %ss" % (what, timeout))
 
 

@@ -6,6 +6,7 @@ import json
 import os
 import threading
 import time
+from http.client import HTTPConnection
 
 import pytest
 
@@ -331,3 +332,25 @@ def test_offload_histograms(nginx):
     cum = dict(zip(LE, wait["buckets"]))
     assert wait["count"] == 3 and cum[0.01] <= 1 and cum[0.1] == 3, wait
     assert 0.055 <= wait["sum"] < 0.2
+
+
+def test_gateway_loom_endpoints_loopback_only(gateway):
+    # the same gateway, asked from another local address: a proxy or a
+    # wider listen address must not open /loom/ to others
+    def get(path, source):
+        c = HTTPConnection("127.0.0.1", gateway.port, timeout=5,
+                                       source_address=(source, 0))
+        try:
+            c.request("GET", path)
+            r = c.getresponse()
+            r.read()
+            return r.status
+        finally:
+            c.close()
+    paths = ["/loom/", "/loom/status", "/loom/metrics", "/loom/chart.js",
+             "/loom/events", "/loom/timers", "/loom/offload",
+             "/loom/blocking", "/loom/publish"]
+    assert [get(p, "127.0.0.2") for p in paths] == [403] * len(paths)
+    assert get("/", "127.0.0.2") == 200
+    assert [get(p, "127.0.0.1") for p in paths] == [200] * len(paths)
+    gateway.allow_log(r"access forbidden by rule")

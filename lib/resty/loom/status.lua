@@ -568,8 +568,18 @@ function _M.collect(timeout)
 end
 
 
+local IS_MODULE = {}
+for _, m in ipairs(MODULES) do
+    IS_MODULE[m] = true
+end
+
+
 -- the document with one module's figures only (for /loom/<module>)
 function _M.only(doc, module)
+    if not IS_MODULE[module] then
+        error("module must be events, timers, offload, watchdog or publish",
+              2)
+    end
     local workers = {}
     for i, w in ipairs(doc.workers) do
         workers[i] = { pid = w.pid, id = w.id, uptime_s = w.uptime_s,
