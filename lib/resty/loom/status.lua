@@ -529,7 +529,11 @@ function _M.collect(timeout)
     local seen = {}
     for key, w in pairs(per) do
         local id = tonumber(key)
-        if type(w) == "table" and id and id >= 0 then
+        if w == ngx.null and id and id >= 0 then
+            -- it answered, without a "loom.status" collector
+            seen[id] = true
+            workers[#workers + 1] = { id = id, error = "no collector" }
+        elseif type(w) == "table" and id and id >= 0 then
             seen[id] = true
             local p = pubs and pubs[key]
             if type(p) == "table" and next(p) then
