@@ -287,8 +287,7 @@ local function map_report(r)
 end
 
 
-local function map_watchdog(watchdog)
-    local s = watchdog.stats()
+local function map_watchdog(watchdog, s)
     local h = s.histogram or {}
     local function le(i)
         local v = h[i] and h[i].le_ms
@@ -359,8 +358,8 @@ _M.from_histogram = from_lh
 -- this worker ----------------------------------------------------------
 
 
-local function try(map, mod)
-    local ok, res = pcall(map, mod)
+local function try(map, mod, arg)
+    local ok, res = pcall(map, mod, arg)
     if ok then
         return res
     end
@@ -393,7 +392,7 @@ function _M.snapshot()
         local ok, s = pcall(wd.stats)
         -- a watchdog never started in this worker shows nothing
         if ok and s.running ~= nil and (s.running or s.iterations > 0) then
-            w.watchdog = try(map_watchdog, wd)
+            w.watchdog = try(map_watchdog, wd, s)
         end
     end
     return w
