@@ -15,6 +15,7 @@ from test_metrics import gw, put_config  # noqa: F401 (gw is a fixture)
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
+CHARTJS = "/usr/share/javascript/chart.js/chart.min.js"
 ARTIFACTS = os.path.join(ROOT, "build", "test-artifacts")
 SECRET = "qry-SECRET-41d7e0"
 
@@ -34,6 +35,8 @@ def missing():
         return "chromium not found (Debian package chromium)"
     if not os.access(CHROMEDRIVER, os.X_OK):
         return "chromedriver not found (Debian package chromium-driver)"
+    if not os.path.exists(CHARTJS):
+        return CHARTJS + " not found (Debian package libjs-chart.js)"
     return None
 
 
