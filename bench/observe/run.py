@@ -3,9 +3,10 @@
 gateway. wrk drives the gateway's / for --duration seconds per cell; cells
 alternate A (nobody scrapes) and B (a scraper GETs /loom/metrics every
 second, like Prometheus) in one run, --pairs times; the figures are the
-medians and the B/A ratio of each pair.
+medians and the B/A ratio of each pair, of req/s and of worker CPU per
+request (from /proc, less blurred by other processes than req/s).
 
-  python3 bench/observe/run.py [--pairs 6] [--duration 5] [--connections 32]
+  python3 bench/observe/run.py [--pairs 20] [--duration 3] [--connections 32]
 
 Writes bench/results/observe.json. Needs wrk and a built module (make build,
 make runtimes). The machine may be shared: the "noise" field gives the
@@ -96,14 +97,16 @@ def wrk(port, duration, connections):
          "http://127.0.0.1:%d/" % port],
         capture_output=True, text=True, check=True).stdout
     m = re.search(r"Requests/sec:\s+([\d.]+)", out)
+    n = re.search(r"(\d+) requests in", out)
     errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
-    return float(m.group(1)), int(errors.group(1)) if errors else 0
+    return (float(m.group(1)), int(n.group(1)),
+            int(errors.group(1)) if errors else 0)
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--pairs", type=int, default=6)
-    ap.add_argument("--duration", type=int, default=5)
+    ap.add_argument("--pairs", type=int, default=20)
+    ap.add_argument("--duration", type=int, default=3)
     ap.add_argument("--connections", type=int, default=32)
     args = ap.parse_args()
 
@@ -113,6 +116,7 @@ def main():
     scrapes = []
     try:
         wrk(g.port, 2, args.connections)            # warm up
+        pids = g.worker_pids()
         cpu, wall = cpu_per_scrape(g)
         print("idle gateway: %.2f ms worker CPU, %.2f ms wall per scrape"
               % (cpu * 1000, wall * 1000), flush=True)
@@ -122,17 +126,20 @@ def main():
                 if variant == "B":
                     s = Scraper(g.port)
                     s.start()
-                rps, bad = wrk(g.port, args.duration, args.connections)
+                cpu0 = cpu_seconds(pids)
+                rps, reqs, bad = wrk(g.port, args.duration, args.connections)
+                cpu_us = (cpu_seconds(pids) - cpu0) / reqs * 1e6
                 if s:
                     s.stop.set()
                     s.join()
                     scrapes.append(s)
                 cells.append({"pair": i, "variant": variant, "rps": rps,
+                              "worker_cpu_us_per_request": round(cpu_us, 3),
                               "non_2xx": bad,
                               "scrapes": len(s.times) if s else 0,
                               "scrape_failures": s.failures if s else 0})
-                print("pair %d %s: %.0f req/s%s" % (
-                    i, variant, rps,
+                print("pair %d %s: %.0f req/s, %.2f us CPU/req%s" % (
+                    i, variant, rps, cpu_us,
                     " (%d scrapes)" % len(s.times) if s else ""), flush=True)
     finally:
         g.stop()
@@ -141,6 +148,11 @@ def main():
     a = [c["rps"] for c in cells if c["variant"] == "A"]
     b = [c["rps"] for c in cells if c["variant"] == "B"]
     ratios = [cb / ca for ca, cb in zip(a, b)]
+    cpu_a = [c["worker_cpu_us_per_request"] for c in cells
+             if c["variant"] == "A"]
+    cpu_b = [c["worker_cpu_us_per_request"] for c in cells
+             if c["variant"] == "B"]
+    cpu_ratios = [cb / ca for ca, cb in zip(cpu_a, cpu_b)]
     times = [t for s in scrapes for t in s.times]
     sizes = [n for s in scrapes for n in s.sizes]
     result = {
@@ -158,6 +170,9 @@ def main():
         "median_ratio_b_over_a": round(statistics.median(ratios), 4),
         "median_cost_percent": round(
             (1 - statistics.median(ratios)) * 100, 2),
+        "median_cpu_us_per_request_a": statistics.median(cpu_a),
+        "median_cpu_us_per_request_b": statistics.median(cpu_b),
+        "median_cpu_ratio_b_over_a": round(statistics.median(cpu_ratios), 4),
         "scrape_median_ms": round(statistics.median(times) * 1000, 2)
         if times else None,
         "scrape_bytes": statistics.median(sizes) if sizes else None,
