@@ -196,6 +196,9 @@ scrape_configs:
                   "(loom_events_delivery_seconds_bucket))",
             lambda r: r and r[0]["value"][1] not in ("NaN", "+Inf"))
         assert 0 < float(res[0]["value"][1]) <= 10
+        # bucket bounds are written as they are read: selectors match
+        res = query(port, 'loom_events_delivery_seconds_bucket{le="0.0025"}')
+        assert len(res) == 2
         up = query(port, 'up{job="loom"}')
         assert up and up[0]["value"][1] == "1"
     finally:
@@ -207,3 +210,46 @@ scrape_configs:
             prom.wait()
         log.close()
         shutil.rmtree(data, ignore_errors=True)
+
+
+RENDER = r"""
+    location = /render {
+        content_by_lua_block {
+            local prom = require "resty.loom.status.prometheus"
+            local hist = require "resty.loom.status.hist"
+            local h = hist.rebin(function(i) return i end, 1, 3,
+                function(i) return i / 1000 end,
+                function(i) return (i + 1) / 1000 end)
+            ngx.print(prom.render({ workers = {
+                { id = 0, uptime_s = 1.5, lua_memory_bytes = 0 / 0,
+                  publish = { publishers = {
+                      ['a "quoted\\ name\nwith a newline'] = {
+                          sent_total = 7, latency_seconds = h } } } },
+                { id = 1, error = "timeout" },
+            } }))
+        }
+    }
+"""
+
+
+def test_render_escapes_labels_and_odd_values(nginx):
+    if not PROMTOOL:
+        pytest.skip("promtool not found (Debian package prometheus)")
+    n = nginx(workers=1, server=RENDER)
+    text = n.get("/render").text
+    p = subprocess.run([PROMTOOL, "check", "metrics"], input=text.encode(),
+                       capture_output=True, timeout=30)
+    assert (p.returncode, p.stderr) == (0, b""), (p, text)
+    name = r'publisher="a \"quoted\\ name\nwith a newline"'
+    assert 'loom_publish_sent_total{worker="0",%s} 7' % name in text
+    assert 'loom_worker_lua_memory_bytes{worker="0"} NaN' in text
+    assert 'loom_worker_up{worker="1"} 0' in text
+    # values 1, 2, 3 (x1, x2, x3) in the buckets around 1.5, 2.5, 3.5 ms
+    assert ('loom_publish_latency_seconds_bucket{worker="0",%s,le="0.0025"}'
+            ' 3' % name) in text
+    assert ('loom_publish_latency_seconds_bucket{worker="0",%s,le="0.005"}'
+            ' 6' % name) in text
+    assert 'loom_publish_latency_seconds_count{worker="0",%s} 6' % name \
+        in text
+    # families with no series are left out
+    assert "loom_events_" not in text and "loom_timers" not in text

@@ -10,6 +10,7 @@ local pairs = pairs
 local ipairs = ipairs
 local type = type
 local tostring = tostring
+local tonumber = tonumber
 local str_format = string.format
 local str_gsub = string.gsub
 local floor = math.floor
@@ -160,6 +161,12 @@ local function num(v)
         return "-Inf"
     elseif v == floor(v) and v < 1e15 and v > -1e15 then
         return str_format("%d", v)
+    end
+    -- the shortest form that reads back the same: le="0.0025", which
+    -- PromQL selectors can match, not le="0.0025000000000000001"
+    local short = str_format("%.15g", v)
+    if tonumber(short) == v then
+        return short
     end
     return str_format("%.17g", v)
 end
