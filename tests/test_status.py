@@ -4,6 +4,7 @@ shapes; nothing secret in the output."""
 
 import json
 import os
+import signal
 import threading
 import time
 from http.client import HTTPConnection
@@ -170,6 +171,31 @@ def test_worker_that_does_not_answer(nginx):
     assert good[0]["events"]["connected"]
     m = n.get("/metrics").text
     assert 'loom_worker_up{worker="%d"} 1' % good[0]["id"] in m
+
+
+def test_restarted_worker_shows_its_new_pid(nginx):
+    n = nginx(workers=2, http=http(), server=SERVER)
+    assert wait_for(lambda: all(not w.get("error")
+                                for w in status(n)["workers"]))
+    before = {w["id"]: w for w in status(n)["workers"]}
+    time.sleep(1)
+    n.allow_log(r"worker process %d exited on signal 9" % before[1]["pid"])
+    n.kill(before[1]["pid"], signal.SIGKILL)
+    n.wait_workers(2)
+
+    def replaced():
+        doc = status(n)
+        w = doc["workers"][1]
+        return doc if not w.get("error") and w["pid"] != before[1]["pid"] \
+            and w["events"]["connected"] else None
+    doc = wait_for(replaced)
+    assert doc, status(n)
+    new = doc["workers"][1]
+    assert new["pid"] in n.worker_pids()
+    assert new["uptime_s"] < doc["workers"][0]["uptime_s"] - 0.5
+    # counters start again with the process
+    assert new["events"]["delivered_total"] == 0
+    assert doc["workers"][0]["pid"] == before[0]["pid"]
 
 
 def test_without_a_bus_this_worker_only(nginx):
