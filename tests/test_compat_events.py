@@ -650,3 +650,72 @@ def test_kong_style_require_resty_events_through_shim_path(nginx):
     assert n.get("/test").text == "true\n"
     got = wait_lines(n, 2)
     assert sorted(got) == ["purge k1 by 0", "purge k1 by 1"]
+
+
+KONG_COMPAT = """
+    init_by_lua_block {
+        package.path = "%s/lib/compat/?.lua;" .. package.path
+    }
+    init_worker_by_lua_block {
+        -- as Kong's kong/global.lua init_worker_events() does
+        local we = require "resty.events.compat"
+        local ok, err = we.configure({
+            unique_timeout = 0.04, broker_id = 0,
+            -- (Kong creates its sockets directory before nginx starts;
+            -- logs/ exists here)
+            listening = "unix:" .. ngx.config.prefix() .. "logs/we",
+            max_queue_len = 1024 * 50, max_payload_len = 65535,
+            enable_privileged_agent = false,
+        })
+        if not ok then
+            ngx.log(ngx.ERR, "failed to configure events: ", err)
+        end
+        assert(we.configured())
+        we.register(require("compat_log").handler("h"))
+        local gone = require("compat_log").handler("gone")
+        we.register(gone, "content_by_lua", "request1", "request3")
+        we.register(gone, "other")
+        we.unregister(gone)
+    }
+    server {
+        listen unix:$PREFIX/logs/we;
+        location / { content_by_lua_block {
+            require("resty.events.compat").run() } }
+    }
+""" % ROOT
+
+
+def test_resty_events_compat_post_order_and_unique(nginx):
+    """events-compat.t 1-3 through `require "resty.events.compat"`: post
+    and post_local return "done"; the local event runs first with wid nil;
+    a unique post runs once per unique_timeout; unregister(cb) removes
+    every subscription of cb."""
+    server = """
+    location = /test { content_by_lua_block {
+        local we = require "resty.events.compat"
+        local r = {}
+        r[1] = we.post("content_by_lua", "request1", "01234567890")
+        r[2] = we.post_local("content_by_lua", "request2", "01234567890")
+        r[3] = we.post("content_by_lua", "request3", "01234567890")
+        ngx.sleep(0.1)
+        r[4] = we.post("content_by_lua", "request4", "x", "unique_value")
+        r[5] = we.post("content_by_lua", "request5", "x", "unique_value")
+        ngx.sleep(0.1) -- wait for unique timeout to expire
+        r[6] = we.post("content_by_lua", "request6", "x", "unique_value")
+        r[7] = we.poll()
+        ngx.say(table.concat(r, " "))
+    } }
+    """
+    n = nginx(workers=1, http=KONG_COMPAT, server=server)
+    assert n.get("/test").text == "done done done done done done done\n"
+    time.sleep(0.3)
+    assert handler_lines(n) == [
+        "h source=content_by_lua, event=request2, who=nil, by=0, "
+        "data=01234567890",
+        "h source=content_by_lua, event=request1, who=0, by=0, "
+        "data=01234567890",
+        "h source=content_by_lua, event=request3, who=0, by=0, "
+        "data=01234567890",
+        "h source=content_by_lua, event=request4, who=0, by=0, data=x",
+        "h source=content_by_lua, event=request6, who=0, by=0, data=x",
+    ]
