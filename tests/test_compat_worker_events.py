@@ -446,3 +446,20 @@ def test_kong_style_require_resty_worker_events_through_shim_path(nginx):
     got = [l for l in settle(n, 6) if "balancer" in l]
     assert sorted(re.search(r"by=(\d)", l).group(1) for l in got) == \
         ["0", "1"]
+
+
+def test_started_and_stopping_own_events(nginx):
+    """sanity.t 1: the library's own events: "started" once per worker
+    at configure(), "stopping" when a worker exits (here on QUIT); each
+    reaches the global handlers of every live worker."""
+    n = nginx(workers=2, http=conf(), server="")
+    got = settle(n, 4)
+    assert sorted(re.search(r"event=(\w+).*by=(\d)", l).groups()
+                  for l in got) == [("started", "0"), ("started", "0"),
+                                    ("started", "1"), ("started", "1")]
+    n.quit()
+    stopping = [l for l in handler_lines(n) if "event=stopping" in l]
+    # each exiting worker runs its own handlers for its own stopping
+    # event; the other worker's may come too late for it
+    bys = {re.search(r"by=(\d)", l).group(1) for l in stopping}
+    assert bys == {"0", "1"}, handler_lines(n)

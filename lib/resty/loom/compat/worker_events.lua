@@ -33,6 +33,8 @@ local DEFAULT_INTERVAL = 1
 local DEFAULT_WAIT_MAX = 0.5
 local DEFAULT_WAIT_INTERVAL = 0.010
 local DEFAULT_SHM_RETRIES = 999
+-- seconds: less than the bus's exit watch (365 days), so it fires first
+local STOPPING_WATCH = 300 * 86400
 
 -- a level's handler lists, in calling order, and their counts
 local KINDS = { "weak", "strong" }
@@ -206,6 +208,13 @@ function _M.poll()
 end
 
 
+local function on_exit(premature)
+    if premature then
+        _M.post(_M.events._source, _M.events.stopping)
+    end
+end
+
+
 -- a number option, else its value from the last configure(), else the
 -- default; "positive" when 0 is refused too
 local function option(opts, name, default, positive, must_be)
@@ -286,6 +295,12 @@ function _M.configure(opts)
     dict = d
     settings = new
     if not started then
+        -- a timer far in the future fires early (premature) at worker
+        -- exit, before the bus's own, which then still sends what it has
+        ok, err = ngx.timer.at(STOPPING_WATCH, on_exit)
+        if not ok then
+            return nil, "failed to create timer: " .. err
+        end
         -- as worker-events celebrates being live
         ok, err = _M.post(_M.events._source, _M.events.started)
         if not ok then
@@ -396,7 +411,8 @@ function _M.event_list(source, ...)
 end
 
 
--- the library's own events; "stopping" is never posted (see the docs)
+-- the library's own events: "started" posted by the first configure(),
+-- "stopping" when the worker exits
 _M.events = _M.event_list("resty-worker-events", "started", "stopping")
 
 
