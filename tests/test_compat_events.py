@@ -719,3 +719,39 @@ def test_resty_events_compat_post_order_and_unique(nginx):
         "h source=content_by_lua, event=request4, who=0, by=0, data=x",
         "h source=content_by_lua, event=request6, who=0, by=0, data=x",
     ]
+
+
+def test_long_unique_target_suppressed_like_a_short_one(nginx):
+    """A unique target longer than the bus's key limit (1 KiB) is taken
+    as the peer takes any string: once per unique_timeout."""
+    server = """
+    location = /test { content_by_lua_block {
+        local key = string.rep("k", 2000)
+        for i = 1, 3 do
+            assert(_G.ev:publish(key, "s", "long" .. i, "x"))
+        end
+        ngx.say("ok")
+    } }
+    """
+    n = start(nginx, 2, http=conf(after_init=SUBSCRIBE), server=server)
+    assert n.get("/test").text == "ok\n"
+    wait_lines(n, 1)
+    time.sleep(0.3)
+    assert [re.search(r"event=(\w+)", l).group(1)
+            for l in handler_lines(n)] == ["long1"]
+
+
+def test_enable_privileged_agent_accepted_on_stock_nginx(nginx):
+    """enable_privileged_agent = true (Kong's dedicated config processing)
+    starts on stock nginx, which has no agent, and delivers to the
+    workers."""
+    server = """
+    location = /test { content_by_lua_block {
+        ngx.say(_G.ev:publish("all", "s", "e", "x"))
+    } }
+    """
+    n = start(nginx, 2, http=conf("enable_privileged_agent = true",
+                                  after_init=SUBSCRIBE), server=server)
+    assert n.get("/test").text == "true\n"
+    assert sorted(re.search(r"by=(\d)", l).group(1)
+                  for l in wait_lines(n, 2)) == ["0", "1"]

@@ -463,3 +463,20 @@ def test_started_and_stopping_own_events(nginx):
     # event; the other worker's may come too late for it
     bys = {re.search(r"by=(\d)", l).group(1) for l in stopping}
     assert bys == {"0", "1"}, handler_lines(n)
+
+
+def test_interval_zero_still_delivers_without_poll(nginx):
+    """interval = 0 (the peer then handles events only in poll()) is
+    accepted; events are pushed, so handlers run without poll()."""
+    server = """
+    location = /t { content_by_lua_block {
+        local we = require "resty.loom.compat.worker_events"
+        ngx.say(we.post("content_by_lua", "request1", "x"))
+    } }
+    """
+    n = nginx(workers=2, http=conf("interval = 0"), server=server)
+    settle(n, 4)
+    assert n.get("/t").text == "true\n"
+    got = [l for l in settle(n, 6) if "request1" in l]
+    assert sorted(re.search(r"by=(\d)", l).group(1) for l in got) == \
+        ["0", "1"]
