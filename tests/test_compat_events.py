@@ -755,3 +755,31 @@ def test_enable_privileged_agent_accepted_on_stock_nginx(nginx):
     assert n.get("/test").text == "true\n"
     assert sorted(re.search(r"by=(\d)", l).group(1)
                   for l in wait_lines(n, 2)) == ["0", "1"]
+
+
+def test_publish_before_init_worker_bounded_by_max_queue_len(nginx):
+    """Before init_worker() the peer's publisher queue holds
+    max_queue_len events, then "queue overflow"; init_worker() twice is
+    harmless and the queued events arrive once."""
+    before = """
+        for i = 1, 3 do
+            local ok, err = ev:publish("all", "s", "early" .. i, "x")
+            if not ok then
+                ngx.log(ngx.NOTICE, "compat-handler: refused ", i, " ",
+                        err, ";")
+            end
+        end
+    """
+    after = """
+        assert(ev:init_worker())
+        ev:subscribe("*", "*", log.handler("h"))
+    """
+    n = nginx(workers=1, http=conf("max_queue_len = 2", before_init=before,
+                                   after_init=after),
+              server="location = /test { return 200 'ok'; }")
+    got = wait_lines(n, 3)
+    time.sleep(0.3)
+    assert handler_lines(n) == [
+        "refused 3 failed to publish event: queue overflow",
+        "h source=s, event=early1, who=0, by=0, data=x",
+        "h source=s, event=early2, who=0, by=0, data=x"]

@@ -480,3 +480,37 @@ def test_interval_zero_still_delivers_without_poll(nginx):
     got = [l for l in settle(n, 6) if "request1" in l]
     assert sorted(re.search(r"by=(\d)", l).group(1) for l in got) == \
         ["0", "1"]
+
+
+def test_many_large_posts_complete_and_arrive(nginx):
+    """sanity.t 11 carried further: 100 posts of 500 KiB in one request,
+    the shm filled beforehand, all return true within the request and
+    reach both workers' handlers."""
+    server = """
+    location = /t { content_by_lua_block {
+        local we = require "resty.loom.compat.worker_events"
+        for i = 1, 1500000 do
+            ngx.shared.worker_events:add(i, tostring(i))
+        end
+        local payload = ("y"):rep(1024):rep(500)
+        local ok = 0
+        for i = 1, 100 do
+            if we.post("big", "event", payload) then
+                ok = ok + 1
+            end
+        end
+        ngx.say(ok)
+    } }
+    """
+    n = nginx(workers=2, http=conf(), server=server)
+    settle(n, 4)
+    assert n.request("GET", "/t", timeout=60).text == "100\n"
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        got = [l for l in handler_lines(n) if "source=big" in l]
+        if len(got) >= 200:
+            break
+        time.sleep(0.2)
+    assert sorted(re.search(r"by=(\d)", l).group(1) for l in got) == \
+        ["0"] * 100 + ["1"] * 100
+    assert all(l.endswith("data=#512000") for l in got)

@@ -194,7 +194,7 @@ function _M.init_worker(self)
     end
     -- what was published before: queued in order, as lua-resty-events
     -- keeps it until the connection is up
-    local early = self.early
+    local early = self.early or {}
     self.early = nil
     for i = 1, #early do
         local e = early[i]
@@ -241,8 +241,12 @@ function _M.publish(self, target, source, event, data)
         dispatch(self, source, event, data, nil)
         return true
     end
-    if self.early then
-        local early = self.early
+    local early = self.early
+    if early then
+        -- bounded as lua-resty-events' publisher queue is
+        if #early >= self.opts.max_queue_len then
+            return nil, "failed to publish event: queue overflow"
+        end
         early[#early + 1] = { target, source, event, data }
         return true
     end
