@@ -327,8 +327,8 @@ location = /t {
 }
 """)
     lines = n.get("/t").text.splitlines()
-    assert "opts.threshold must be a non-negative number" in lines[0]
-    assert "opts.threshold must be at least 1" in lines[1]
+    assert "opts.threshold must be a number from 1 to 3600000" in lines[0]
+    assert "opts.threshold must be a number from 1 to 3600000" in lines[1]
     assert "opts.nope is not an option" in lines[2]
     assert "opts.backtraces must be a boolean" in lines[3]
     assert "must be called in init_worker_by_lua" in lines[4]
@@ -600,3 +600,68 @@ def test_reload_under_load_with_stalls(nginx):
     log = n.error_log()
     assert "exited on signal" not in log
     assert len(re.findall(r"event loop blocked", log)) >= made[0] * 0.9
+
+
+def worker_cpu_seconds(pid):
+    with open("/proc/%d/stat" % pid) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+BAD_OPTS = """{
+    { threshold = 1/0 }, { threshold = 0/0 }, { threshold = 1e308 },
+    { threshold = -1 }, { threshold = 0 },
+    { interval = 1e308 }, { interval = 0/0 }, { interval = 1/0 },
+    { interval = -1 }, { interval = 0.5 }, { interval = 200 },
+    { ring = 0 }, { ring = 0.5 }, { ring = 1/0 }, { ring = 0/0 },
+    { long = 1/0 }, { long = 0/0 }, { long = -5 },
+    { max_samples = 0/0 }, { max_samples = 1.5 },
+    { log_burst = 0 }, { log_burst = 0/0 },
+    { log_interval = 0 }, { log_interval = 1/0 }, { log_interval = 0/0 },
+}"""
+
+
+def test_start_refuses_nan_inf_and_absurd_options(nginx):
+    # issue 17 item 20: threshold = 1/0 was accepted and an idle worker
+    # burnt a core; 0/0 turned detection off; interval = 1e308 burnt 25 %
+    # of a core; ring = 0 or 0.5 kept no reports
+    n = nginx(workers=1, http="""
+    init_worker_by_lua_block {
+        local wd = require "resty.loom.watchdog"
+        local out = {}
+        for i, o in ipairs(%s) do
+            local ok, err = pcall(wd.start, o)
+            out[i] = tostring(ok) .. " " .. tostring(err)
+        end
+        package.loaded.wd_refused = out
+        assert(wd.start({ threshold = 100 }))
+        -- configure() refuses the same and keeps what it had
+        local ok = pcall(wd.configure, { ring = 0 })
+        package.loaded.wd_configure = tostring(ok)
+    }
+    """ % BAD_OPTS, server=SERVER + """
+location = /refused {
+    content_by_lua_block {
+        ngx.say(table.concat(package.loaded.wd_refused, "\\n"))
+        ngx.say(package.loaded.wd_configure)
+    }
+}
+""")
+    lines = n.get("/refused").text.splitlines()
+    assert len(lines) == 26
+    for line in lines[:-1]:
+        assert line.startswith("false opts."), lines
+    assert lines[-1] == "false"
+    assert any("opts.interval must not exceed opts.threshold" in ln
+               for ln in lines)
+    # an idle worker stays idle
+    pid = n.worker_pids()[0]
+    c0 = worker_cpu_seconds(pid)
+    time.sleep(2)
+    busy = (worker_cpu_seconds(pid) - c0) / 2
+    assert busy < 0.2, "worker busy %.0f %% of a core" % (busy * 100)
+    # and the ring still keeps reports
+    assert n.get("/usleep?ms=200").status == 200
+    data = wait_reports(n, 1)
+    assert len(data["reports"]) == 1
+    assert data["stats"]["threshold_ms"] == 100

@@ -719,6 +719,34 @@ local function wrap_timers()
 end
 
 
+-- numeric options: { least, most, whole number, what 0 means if allowed }
+local LIMITS = {
+    threshold = { 1, 3600000 },                 -- ms, up to an hour
+    interval = { 1, 1000, false, "auto" },      -- ms; also <= threshold
+    long = { 1, 86400000, false, "off" },       -- ms, up to a day
+    max_samples = { 0, 100000, true },
+    ring = { 1, 100000, true },
+    log_burst = { 1, 1000000, true },
+    log_interval = { 0.001, 86400 },            -- s
+}
+
+
+local function check_number(k, v, lim)
+    if v == 0 and lim[4] then
+        return
+    end
+    if type(v) ~= "number" or not (v >= lim[1] and v <= lim[2])
+       or (lim[3] and v % 1 ~= 0)
+    then
+        error("opts." .. k .. " must be a " .. (lim[3] and "whole " or "")
+              .. "number from " .. lim[1] .. " to " .. lim[2]
+              .. (lim[4] and (", or 0 (" .. lim[4] .. ")") or ""), 4)
+    end
+end
+
+
+-- the options of start() or configure() over base; raises (at the level
+-- of their caller) before anything changes
 local function check_opts(opts, base)
     if opts == nil then
         opts = {}
@@ -738,17 +766,11 @@ local function check_opts(opts, base)
         o[k] = v
     end
 
-    for _, k in ipairs({ "threshold", "interval", "long", "max_samples",
-                         "ring", "log_burst", "log_interval" }) do
-        if type(o[k]) ~= "number" or o[k] < 0 then
-            error("opts." .. k .. " must be a non-negative number", 3)
-        end
+    for k, lim in pairs(LIMITS) do
+        check_number(k, o[k], lim)
     end
-    if o.threshold < 1 then
-        error("opts.threshold must be at least 1 (ms)", 3)
-    end
-    if o.max_samples > 100000 then
-        error("opts.max_samples must be at most 100000", 3)
+    if o.interval > o.threshold then
+        error("opts.interval must not exceed opts.threshold", 3)
     end
     for _, k in ipairs({ "backtraces", "breakpoints", "log", "timers" }) do
         if type(o[k]) ~= "boolean" then
