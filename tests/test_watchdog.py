@@ -11,6 +11,7 @@ import re
 import signal
 import threading
 import time
+import xml.etree.ElementTree as ET
 
 import pytest
 
@@ -665,3 +666,19 @@ location = /refused {
     data = wait_reports(n, 1)
     assert len(data["reports"]) == 1
     assert data["stats"]["threshold_ms"] == 100
+
+
+def test_flamegraph_example_serves_valid_xml(nginx):
+    # issue 17 item 22: ngx.print(wd.flamegraph()), the documented example,
+    # printed the frame count after </svg>
+    n = start(nginx)
+    for path in ("/cpu?ms=200", "/usleep?ms=200"):
+        assert n.get(path).status == 200
+    wait_reports(n, 2)
+    r = n.get("/flame")
+    assert r.status == 200
+    root = ET.fromstring(r.body)            # raises on trailing junk
+    assert root.tag == "{http://www.w3.org/2000/svg}svg"
+    titles = [t.text or "" for t in root.iter(
+        "{http://www.w3.org/2000/svg}title")]
+    assert any("sleep_ffi" in t for t in titles), titles

@@ -997,7 +997,11 @@ function _M.flamegraph(reports, opts)
     for k, v in pairs(opts or {}) do
         o[k] = v
     end
-    return flamegraph.svg(_M.folded(reports), o)
+    -- the SVG alone: ngx.print(watchdog.flamegraph()) must serve a valid
+    -- document (the renderer's second value, the frame count, would follow
+    -- </svg>)
+    local svg = flamegraph.svg(_M.folded(reports), o)
+    return svg
 end
 
 
