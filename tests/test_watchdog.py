@@ -682,3 +682,53 @@ def test_flamegraph_example_serves_valid_xml(nginx):
     titles = [t.text or "" for t in root.iter(
         "{http://www.w3.org/2000/svg}title")]
     assert any("sleep_ffi" in t for t in titles), titles
+
+
+def test_loom_timer_stall_names_the_timer_and_log_has_no_timer_context(
+        nginx):
+    # issue 17 item 21: a stall inside a resty.loom.timer callback was
+    # reported as "timer": {} and "by timer ?"; stall lines of requests
+    # ended in "context: ngx.timer" (they were logged from the report timer)
+    n = nginx(workers=1, http=HTTP % {"threshold": 100}, server=SERVER + """
+location = /loom {
+    content_by_lua_block {
+        assert(require("watchdog_cases").start_loom_timers(250))
+        ngx.say("ok")
+    }
+}
+""")
+    assert n.get("/loom").status == 200
+    reports = wait_reports(n, 2)["reports"]
+    assert len(reports) == 2, reports
+    burner, sleeper = reports           # newest first
+    for r in reports:
+        assert r["phase"] == "timer"
+        assert "request" not in r
+    assert sleeper["timer"]["created_at"] == "%s:%d" % (
+        CASES, marker_line("loom_created"))
+    assert sleeper["timer"]["callback"] == "%s:%d" % (
+        CASES, defined_line("loom_sleeper"))
+    assert "name" not in sleeper["timer"]
+    assert sleeper["backtrace"][0]["line"] == marker_line("loom_sleep")
+    # the runner's frames (resty/loom/timer) are not in the backtrace
+    for r in reports:
+        assert not any("resty/loom/timer" in f["source"]
+                       for f in r["backtrace"]), r["backtrace"]
+    assert burner["kind"] == "cpu"
+    assert burner["timer"] == {
+        "created_at": "%s:%d" % (CASES, marker_line("loom_named")),
+        "callback": "%s:%d" % (CASES, defined_line("loom_burner")),
+        "name": "burner",
+    }
+    n.wait_log(r'by timer "burner" \S+watchdog_cases.lua:%d created at '
+               r'\S+watchdog_cases.lua:%d' % (defined_line("loom_burner"),
+                                             marker_line("loom_named")))
+    # a request's stall: the line has no "context: ngx.timer"
+    assert n.get("/usleep?ms=200").status == 200
+    wait_reports(n, 3)
+    line = n.wait_log(r"event loop blocked [^\n]*by GET /usleep[^\n]*")[0]
+    assert "context:" not in line, line
+    lines = [ln for ln in n.error_log().splitlines()
+             if "event loop blocked" in ln]
+    assert len(lines) == 3
+    assert not any("context: ngx.timer" in ln for ln in lines), lines

@@ -125,6 +125,7 @@ const loom_wd_sample_t *ngx_loom_ffi_watchdog_samples(int *n,
 void ngx_loom_ffi_watchdog_samples_reset(void);
 double ngx_loom_ffi_watchdog_busy_ms(void);
 double ngx_loom_ffi_watchdog_wall(void);
+void ngx_loom_ffi_watchdog_log(int level, const char *msg, size_t len);
 ]]
 
 
@@ -341,6 +342,36 @@ local function fix_call_line(frames)
 end
 
 
+-- a frame of the code that runs timer callbacks: this module's ngx.timer
+-- wrapper or resty.loom.timer
+local function is_runner(f)
+    return f.source == RUNNER_SOURCE
+           or str_find(f.source, "resty/loom/timer", 1, true) ~= nil
+end
+
+
+-- drops the runner's frames under a timer's callback (frames innermost
+-- first); the callback has no name of its own. Without a site (a loom
+-- timer made with stats = false) the callback frame stands for it.
+local function drop_runner_frames(timer, frames)
+    local n = #frames
+    if n == 0 or not is_runner(frames[n]) then
+        return
+    end
+    while n > 0 and is_runner(frames[n]) do
+        frames[n] = nil
+        n = n - 1
+    end
+    local cb = frames[n]
+    if cb then
+        cb.func = nil
+        if not timer.callback then
+            timer.callback = cb.source
+        end
+    end
+end
+
+
 local function build_report(c, samples, threshold)
     local dur = c.duration_ms
     local on_cpu
@@ -413,9 +444,13 @@ local function build_report(c, samples, threshold)
     report.reported_after_ms = round((now - c.start) * 1000 - dur, 2)
 
     if c.timer ~= 0 then
+        -- "<created at>|<callback>" or, from resty.loom.timer,
+        -- "<created at>|<callback>|<name>"
         local site = c.site[0] ~= 0 and ffi_string(c.site) or ""
-        local created, defined = str_match(site, "^(.*)|(.*)$")
-        report.timer = { created_at = created, callback = defined }
+        local created, defined, name = str_match(site,
+                                                 "^([^|]*)|([^|]*)|?(.*)$")
+        report.timer = { created_at = created, callback = defined,
+                         name = name ~= "" and name or nil }
     elseif c.request[0] ~= 0 then
         local req = ffi_string(c.request)
         local method, uri = str_match(req, "^(%S+) (.*)$")
@@ -441,13 +476,8 @@ local function build_report(c, samples, threshold)
         report.backtrace = frames
         report.vmstate = bt_sample.vmstate
 
-        local bottom = frames[#frames]
-        if report.timer and bottom and bottom.source == RUNNER_SOURCE then
-            -- drop our runner; the callback has no name of its own
-            frames[#frames] = nil
-            if frames[#frames] then
-                frames[#frames].func = nil
-            end
+        if report.timer then
+            drop_runner_frames(report.timer, frames)
         end
     end
 
@@ -529,7 +559,8 @@ local function summary_line(r)
             what = what .. " (" .. r.phase .. ")"
         end
     elseif r.timer then
-        what = "timer " .. (r.timer.callback or "?")
+        what = "timer " .. (r.timer.name and ("\"" .. r.timer.name .. "\" ")
+                            or "") .. (r.timer.callback or "?")
         if r.timer.created_at then
             what = what .. " created at " .. r.timer.created_at
         end
@@ -608,7 +639,8 @@ local function log_report(r, opts)
                                   state.log_suppressed)
         state.log_suppressed = 0
     end
-    ngx_log(ngx_WARN, LOG_TAG, line)
+    line = LOG_TAG .. line
+    C.ngx_loom_ffi_watchdog_log(ngx_WARN, line, #line)
 end
 
 

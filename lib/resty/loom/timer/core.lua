@@ -249,6 +249,8 @@ function _M.new(opts)
         max_rt = max_rt and max_rt * 1e6 or nil,
         max_names = max_names,
         sleep_until = nil,          -- set by the driver while it sleeps
+        last_site = nil,            -- watchdog site and name of the last run
+        last_name = nil,
         wheel = wheel.new(floor(now / res_us), cap),
         store = store,
         jobs = store.ptr,
@@ -465,6 +467,16 @@ local function is_ours(src)
 end
 
 
+-- a chunk's file path in full ("@path" sources), else its short name
+local function path_of(info)
+    local src = info.source
+    if str_sub(src, 1, 1) == "@" then
+        return str_sub(src, 2)
+    end
+    return info.short_src
+end
+
+
 -- the statistics record of the place that created a timer. Without
 -- precise_sites the place is looked up once per callback function (the
 -- first creation with it) and cached, which keeps at() JIT-compiled.
@@ -494,6 +506,12 @@ local function site_for(self, cb)
     rec = self.sites[key]
     if not rec then
         rec = new_record("site", key)
+        local def = getinfo(cb, "S")
+        -- "<created at>|<callback defined at>", full paths: what the
+        -- watchdog reports when this timer's callback stalls the loop
+        rec.watchdog_site = (info and (path_of(info) .. ":"
+                                       .. info.currentline) or "?")
+                            .. "|" .. path_of(def) .. ":" .. def.linedefined
         local frames = {}
         local n = 0
         while info and n < MAX_STACK do
@@ -508,7 +526,6 @@ local function site_for(self, cb)
         for i = n, 1, -1 do
             folded[#folded + 1] = frames[i]
         end
-        local def = getinfo(cb, "S")
         folded[#folded + 1] = "callback " .. def.short_src .. ":"
                               .. def.linedefined
         rec.stack = tbl_concat(folded, ";")
@@ -989,7 +1006,11 @@ function _M.run_next(self, now)
     local mode = j.mode
     local totals = self.totals
     j.state = RUNNING
-    if mode == ONCE and band(j.flags, F_EXTRA) ~= 0 then
+    local extra = band(j.flags, F_EXTRA) ~= 0
+    -- read by the watchdog (src/ngx_loom_watchdog.c looks for locals of
+    -- these names) when the callback stalls the event loop
+    local loom_timer_name = extra and self.name_of[id] or nil
+    if mode == ONCE and extra then
         release_name(self, id)      -- so the callback may reuse the name
     end
 
@@ -1002,9 +1023,9 @@ function _M.run_next(self, now)
         return true
     end
 
-    local extra = band(j.flags, F_EXTRA) ~= 0
     local si = j.site
     local rec = si ~= 0 and self.site_list[si] or nil
+    local loom_timer_site = rec and rec.watchdog_site or nil
     local nrec = extra and self.nrec[id] or nil
     if rec then
         rec.running = rec.running + 1
@@ -1034,6 +1055,10 @@ function _M.run_next(self, now)
         end
         ok, err = xpcall(fn, on_error, prem, unpack(argv, 1, n))
     end
+    -- used after the call, so that the JIT keeps both slots live during
+    -- it (a dead slot may hold a stale value when a trace exits)
+    self.last_site = loom_timer_site
+    self.last_name = loom_timer_name
 
     local t1 = clock()
     self.last_end = t1
