@@ -826,3 +826,41 @@ def test_table_error_logged_as_json_with_traceback(nginx):
             or 'failed: {"reason":"upstream down","code":42}' in line), line
     assert "table: 0x" not in line
     assert "stack traceback" in line and "run:3" in line
+
+
+def test_never_early_where_native_is(nginx):
+    # issue 17 item 19: how early native timers fire, measured here (run
+    # with -s for the figures; docs/timer.md quotes them). Native timers
+    # count the delay from nginx's cached clock, truncated to whole ms:
+    # created after a handler has run for a while, they fire early by up
+    # to that time plus 1 ms. The wheel reads the monotonic clock.
+    n = nginx(workers=1, http=HTTP + "lua_max_pending_timers 4096;",
+              server=RUN)
+    figures = {}
+    # (requests, timers per request, ms the handler ran before)
+    for reqs, per, busy in ((1000, 1, 0), (5, 2000, 0), (5, 2000, 20)):
+        for impl in ("native", "loom"):
+            tag = "%s-%dx%d-%dms" % (impl, reqs, per, busy)
+            at = "timer.native.at" if impl == "native" else "timer.at"
+            code = """
+                local timer = require "resty.loom.timer"
+                require("timer_helpers").early_batch(%s, "%s", %d, %d)
+            """ % (at, tag, per, busy)
+            for _ in range(reqs):
+                run(n, code)
+                if per > 1:
+                    time.sleep(0.15)
+            total = reqs * per
+            assert wait_for(lambda: get(n, tag + ":runs") == total, 10)
+            figures[tag] = (int(get(n, tag + ":early") or 0), total,
+                            round((get(n, tag + ":early_max") or 0) * 1000,
+                                  2))
+    print("\nearly fires (count, of, max ms early):")
+    for tag, f in figures.items():
+        print("  %-24s %s" % (tag, f))
+    for tag, f in figures.items():
+        if tag.startswith("loom"):
+            assert f[0] == 0, (tag, f)
+    # the situation is real: native fires early, by more than the 1 ms of
+    # truncation once the handler had run 20 ms
+    assert figures["native-5x2000-20ms"][2] > 10
