@@ -86,7 +86,8 @@ end
 function _M.start_loom_timers(ms)
     local timer = require "resty.loom.timer"
     local h1 = timer.at(0, loom_sleeper, ms)  -- LINE:loom_created
-    local h2 = timer.at({ delay = 0.5, name = "burner" }, loom_burner, ms)  -- LINE:loom_named
+    local named = { delay = 0.5, name = "burner" }
+    local h2 = timer.at(named, loom_burner, ms)  -- LINE:loom_named
     return h1 and h2
 end
 
