@@ -647,6 +647,15 @@ location = /refused {
         ngx.say(package.loaded.wd_configure)
     }
 }
+location = /limits {
+    content_by_lua_block {
+        local wd = require "resty.loom.watchdog"
+        for _, o in ipairs({ { limit = 0/0 }, { limit = 1.5 },
+                             { limt = 1 }, { limit = 1 } }) do
+            ngx.say(tostring((pcall(wd.reports, o))))
+        end
+    }
+}
 """)
     lines = n.get("/refused").text.splitlines()
     assert len(lines) == 26
@@ -655,6 +664,8 @@ location = /refused {
     assert lines[-1] == "false"
     assert any("opts.interval must not exceed opts.threshold" in ln
                for ln in lines)
+    r = n.get("/limits")
+    assert r.text.split() == ["false", "false", "false", "true"], r.text
     # an idle worker stays idle
     pid = n.worker_pids()[0]
     c0 = worker_cpu_seconds(pid)

@@ -763,7 +763,11 @@ local LIMITS = {
 }
 
 
-local function check_number(k, v, lim)
+local REPORTS_LIMIT = { 0, LIMITS.ring[2], true }
+
+
+-- raises at the given level (counted from this function)
+local function check_number(k, v, lim, level)
     if v == 0 and lim[4] then
         return
     end
@@ -772,7 +776,7 @@ local function check_number(k, v, lim)
     then
         error("opts." .. k .. " must be a " .. (lim[3] and "whole " or "")
               .. "number from " .. lim[1] .. " to " .. lim[2]
-              .. (lim[4] and (", or 0 (" .. lim[4] .. ")") or ""), 4)
+              .. (lim[4] and (", or 0 (" .. lim[4] .. ")") or ""), level)
     end
 end
 
@@ -799,7 +803,7 @@ local function check_opts(opts, base)
     end
 
     for k, lim in pairs(LIMITS) do
-        check_number(k, o[k], lim)
+        check_number(k, o[k], lim, 4)
     end
     if o.interval > o.threshold then
         error("opts.interval must not exceed opts.threshold", 3)
@@ -988,8 +992,21 @@ end
 
 -- newest first; opts.limit (default all)
 function _M.reports(opts)
+    local limit
+    if opts ~= nil then
+        if type(opts) ~= "table" then
+            error("opts must be a table", 2)
+        end
+        for k, v in pairs(opts) do
+            if k ~= "limit" then
+                error("opts." .. tostring(k) .. " is not an option", 2)
+            end
+            check_number("limit", v, REPORTS_LIMIT, 3)
+            limit = v
+        end
+    end
     drain()
-    local limit = opts and opts.limit or #state.ring
+    limit = limit or #state.ring
     local out = {}
     local ring = state.ring
     for i = #ring, 1, -1 do
