@@ -864,3 +864,24 @@ def test_never_early_where_native_is(nginx):
     # the situation is real: native fires early, by more than the 1 ms of
     # truncation once the handler had run 20 ms
     assert figures["native-5x2000-20ms"][2] > 10
+
+
+def test_stats_arguments_checked(nginx):
+    n = nginx(workers=1, http=HTTP, server=RUN)
+    out = run(n, """
+        local timer = require "resty.loom.timer"
+        for _, f in ipairs({
+            function() return timer.stats({ raw = 1 }) end,
+            function() return timer.stats({ rwa = true }) end,
+            function() return timer.stats_all(0/0) end,
+            function() return timer.stats_all(-1) end,
+            function() return timer.stats({ raw = true }) end,
+            function() return timer.stats_all(1) end,
+        }) do
+            ngx.say(tostring((pcall(f))))
+        end
+    """)
+    assert out.split() == ["false"] * 4 + ["true"] * 2, out
+    for bad in ("nan", "0", "-1", "1e308"):
+        assert n.get("/stats?timeout=" + bad).status == 400
+    assert n.get("/stats?timeout=0.5").status == 200

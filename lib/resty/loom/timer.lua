@@ -605,7 +605,21 @@ end
 
 -- this worker's statistics; opts.raw keeps the histograms (for merging)
 function _M.stats(opts)
-    local raw = opts and opts.raw
+    local raw = false
+    if opts ~= nil then
+        if type(opts) ~= "table" then
+            error("opts must be a table", 2)
+        end
+        for k, v in pairs(opts) do
+            if k ~= "raw" then
+                error("opts." .. tostring(k) .. " is not an option", 2)
+            end
+            if type(v) ~= "boolean" then
+                error("opts.raw must be a boolean", 2)
+            end
+            raw = v
+        end
+    end
     local out = engine():stats(raw)
     local pool = pool_stats()
     out.runners = pool.runners
@@ -710,6 +724,11 @@ end
 -- merged stats, source = "events" | "local" }, plus the merged raw site
 -- records (for flame graphs) as a second value
 function _M.stats_all(timeout)
+    if timeout ~= nil and (type(timeout) ~= "number"
+                           or not (timeout > 0 and timeout <= 60))
+    then
+        error("timeout must be a number of seconds over 0, at most 60", 2)
+    end
     local per
     local source = "local"
     local bus = get_bus()
@@ -763,7 +782,15 @@ end
 
 function _M.serve_json()
     local cjson = require "cjson.safe"
-    local data = _M.stats_all(tonumber(ngx.var.arg_timeout) or 2)
+    local arg = ngx.var.arg_timeout
+    local timeout = tonumber(arg or 2)
+    if not (timeout and timeout > 0 and timeout <= 60) then
+        ngx.status = 400
+        ngx.header["Content-Type"] = "text/plain"
+        ngx.say("bad timeout: ", arg)
+        return
+    end
+    local data = _M.stats_all(timeout)
     if ngx.var.arg_stacks ~= "1" then
         for _, s in pairs(data.total.sites) do
             s.stack = nil
