@@ -743,3 +743,28 @@ location = /loom {
              if "event loop blocked" in ln]
     assert len(lines) == 3
     assert not any("context: ngx.timer" in ln for ln in lines), lines
+
+
+def test_loom_timer_stall_without_stats_still_named(nginx):
+    # resty.loom.timer with stats = false keeps no creation site: the
+    # report still names the timer and the callback's file
+    n = nginx(workers=1, http="""
+    init_by_lua_block {
+        require("resty.loom.timer").configure({ stats = false })
+    }
+    """ + HTTP % {"threshold": 100}, server=SERVER + """
+location = /loom {
+    content_by_lua_block {
+        assert(require("watchdog_cases").start_loom_timers(250))
+        ngx.say("ok")
+    }
+}
+""")
+    assert n.get("/loom").status == 200
+    reports = wait_reports(n, 2)["reports"]
+    assert len(reports) == 2, reports
+    burner, sleeper = reports
+    assert burner["timer"] == {"callback": CASES, "name": "burner"}
+    assert sleeper["timer"] == {"callback": CASES}
+    assert sleeper["backtrace"][0]["line"] == marker_line("loom_sleep")
+    n.wait_log(r'by timer "burner" \S+watchdog_cases.lua;')

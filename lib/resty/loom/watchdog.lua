@@ -343,10 +343,11 @@ end
 
 
 -- a frame of the code that runs timer callbacks: this module's ngx.timer
--- wrapper or resty.loom.timer
+-- wrapper, resty.loom.timer, or the xpcall it calls callbacks with
 local function is_runner(f)
     return f.source == RUNNER_SOURCE
            or str_find(f.source, "resty/loom/timer", 1, true) ~= nil
+           or str_find(f.source, "[builtin#", 1, true) == 1
 end
 
 
@@ -449,7 +450,8 @@ local function build_report(c, samples, threshold)
         local site = c.site[0] ~= 0 and ffi_string(c.site) or ""
         local created, defined, name = str_match(site,
                                                  "^([^|]*)|([^|]*)|?(.*)$")
-        report.timer = { created_at = created, callback = defined,
+        report.timer = { created_at = created ~= "" and created or nil,
+                         callback = defined ~= "" and defined or nil,
                          name = name ~= "" and name or nil }
     elseif c.request[0] ~= 0 then
         local req = ffi_string(c.request)

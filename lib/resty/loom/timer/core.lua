@@ -1025,7 +1025,9 @@ function _M.run_next(self, now)
 
     local si = j.site
     local rec = si ~= 0 and self.site_list[si] or nil
-    local loom_timer_site = rec and rec.watchdog_site or nil
+    -- without statistics the site is unknown: "|" still marks this frame
+    -- as the one that runs the callback
+    local loom_timer_site = rec and rec.watchdog_site or "|"
     local nrec = extra and self.nrec[id] or nil
     if rec then
         rec.running = rec.running + 1
