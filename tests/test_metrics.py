@@ -196,6 +196,10 @@ scrape_configs:
                   "(loom_events_delivery_seconds_bucket))",
             lambda r: r and r[0]["value"][1] not in ("NaN", "+Inf"))
         assert 0 < float(res[0]["value"][1]) <= 10
+        # named timers: the gateway's heartbeat runs every second
+        wait_query(port, 'loom_timers_named_runs_total'
+                         '{name="gateway.heartbeat"} >= 1',
+                   lambda r: len(r) == 2)
         # bucket bounds are written as they are read: selectors match
         res = query(port, 'loom_events_delivery_seconds_bucket{le="0.0025"}')
         assert len(res) == 2

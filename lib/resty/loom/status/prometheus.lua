@@ -19,7 +19,10 @@ local tbl_concat = table.concat
 local tbl_sort = table.sort
 
 -- { module, field path, metric, type, help[, per] }: per names the table
--- of the module whose entries each get a label (runtime, publisher)
+-- of the module whose entries each get a label (PER_LABEL)
+local PER_LABEL = { runtimes = "runtime", publishers = "publisher",
+                    names = "name" }
+
 local FAMILIES = {
     { nil, "up", "loom_worker_up", "gauge",
       "1 if the worker answered the status collect in time, else 0" },
@@ -89,6 +92,12 @@ local FAMILIES = {
       "Timer callback run time" },
     { "timers", "lateness_seconds", "loom_timers_lateness_seconds",
       "histogram", "How late timers ran (sum estimated from buckets)" },
+    { "timers", "runs_total", "loom_timers_named_runs_total", "counter",
+      "Runs of the timers with this name", "names" },
+    { "timers", "errors_total", "loom_timers_named_errors_total", "counter",
+      "Errors of the timers with this name", "names" },
+    { "timers", "lateness_seconds", "loom_timers_named_lateness_seconds",
+      "histogram", "How late the timers with this name ran", "names" },
 
     { "offload", "queued", "loom_offload_queued", "gauge",
       "Calls waiting for a runtime thread", "runtimes" },
@@ -242,8 +251,7 @@ function _M.render(doc)
             elseif type(w[module]) == "table" then
                 local m = w[module]
                 if per then
-                    local label = per == "runtimes" and "runtime"
-                                  or "publisher"
+                    local label = PER_LABEL[per]
                     local set = m[per] or {}
                     for _, k in ipairs(sorted_keys(set)) do
                         emit(out, name, typ, wl .. "," .. label .. '="'
