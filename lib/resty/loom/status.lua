@@ -49,26 +49,36 @@ local _M = { _VERSION = "0.1.0" }
 local started = ngx_now()
 
 
+-- bucket bounds of both layouts, computed once
+local LH_LO, LH_HI, TH_LO, TH_HI = {}, {}, {}, {}
+for i = 0, LH_LAST do
+    LH_LO[i] = i == 0 and 0 or LH_MIN * LH_GROWTH ^ i
+    LH_HI[i] = i == LH_LAST and huge or LH_MIN * LH_GROWTH ^ (i + 1)
+end
+for i = 0, TH_LAST do
+    TH_LO[i] = i == 0 and 0 or TH_GROWTH ^ (i - 1) / 1e6
+    TH_HI[i] = i == TH_LAST and huge or (i == 0 and 1e-6
+                                         or TH_GROWTH ^ i / 1e6)
+end
+
+
 local function lh_lower(i)
-    return i == 0 and 0 or LH_MIN * LH_GROWTH ^ i
+    return LH_LO[i]
 end
 
 
 local function lh_upper(i)
-    return i == LH_LAST and huge or LH_MIN * LH_GROWTH ^ (i + 1)
+    return LH_HI[i]
 end
 
 
 local function th_lower(i)
-    return i == 0 and 0 or TH_GROWTH ^ (i - 1) / 1e6
+    return TH_LO[i]
 end
 
 
 local function th_upper(i)
-    if i == TH_LAST then
-        return huge
-    end
-    return i == 0 and 1e-6 or TH_GROWTH ^ i / 1e6
+    return TH_HI[i]
 end
 
 
