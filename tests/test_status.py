@@ -147,6 +147,30 @@ def test_every_worker_in_one_document(nginx):
     assert sorted(only["workers"][0]) == ["events", "id", "pid", "uptime_s"]
 
 
+def test_many_collects_at_once(nginx):
+    n = nginx(workers=4, http=http(), server=SERVER)
+    assert wait_for(lambda: all(not w.get("error")
+                                for w in status(n)["workers"]))
+    docs, errors = [], []
+
+    def ask():
+        try:
+            for _ in range(5):
+                docs.append(status(n, timeout=3))
+        except Exception as e:      # reported below
+            errors.append(e)
+    threads = [threading.Thread(target=ask) for _ in range(20)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert len(docs) == 100
+    # every collect got its own answers from every worker
+    assert all([w["id"] for w in d["workers"] if not w.get("error")]
+               == [0, 1, 2, 3] for d in docs)
+
+
 def test_worker_that_does_not_answer(nginx):
     n = nginx(workers=2, http=http(), server=SERVER)
     assert wait_for(lambda: all(not w.get("error")
