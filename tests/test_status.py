@@ -235,6 +235,24 @@ def test_without_a_bus_this_worker_only(nginx):
     assert "error" not in w
 
 
+def test_bus_unusable_this_worker_and_the_others_unreachable(nginx):
+    # a bus made but never started in the workers: collects cannot go out
+    n = nginx(workers=2, http="""
+    init_by_lua_block {
+        require("resty.loom.events").new({
+            socket = ngx.config.prefix() .. "sock/bus.sock" })
+        require("resty.loom.status").register_collector()
+    }
+    """ + BUS, server=SERVER)
+    doc = status(n)
+    assert doc["source"] == "local"
+    me = [w for w in doc["workers"] if not w.get("error")]
+    assert len(me) == 1 and me[0]["pid"] in n.worker_pids()
+    assert [w for w in doc["workers"] if w.get("error")] == [
+        {"id": 1 - me[0]["id"], "error": "unreachable"}]
+    assert "failed to collect" in n.error_log()
+
+
 def test_bus_without_the_collector(nginx):
     # the bus is there but nobody registered the status collector: every
     # worker answers at once, with nothing

@@ -531,8 +531,12 @@ function _M.collect(timeout)
         end
         per = { [tostring(w.id or 0)] = w }
         source = "local"
-        count = nil
+        if not bus then
+            count = nil     -- the others are unknown, not missing
+        end
     end
+    -- not heard from: late, or the bus itself could not be used
+    local missing = source == "local" and "unreachable" or "timeout"
 
     local workers = {}
     local seen = {}
@@ -555,7 +559,7 @@ function _M.collect(timeout)
     end
     for id = 0, (count or 0) - 1 do
         if not seen[id] then
-            workers[#workers + 1] = { id = id, error = "timeout" }
+            workers[#workers + 1] = { id = id, error = missing }
         end
     end
     tbl_sort(workers, function(a, b) return a.id < b.id end)
