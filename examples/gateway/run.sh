@@ -22,6 +22,12 @@ rm -rf "$PREFIX/conf"
 mkdir -p "$PREFIX/conf/conf.d" "$PREFIX/logs"
 # the bus socket's directory: `nginx -t` binds the socket before Lua runs
 mkdir -p -m 0700 "$PREFIX/sock"
+# the configuration the gateway keeps across reloads; its workers write it
+mkdir -p "$PREFIX/state"
+if [ "$(id -u)" = 0 ]; then
+    chown "$(echo "${LOOM_GATEWAY_USER:-nobody}" | cut -d' ' -f1)" \
+        "$PREFIX/state"
+fi
 render "$ROOT/examples/gateway/nginx.conf" "$PREFIX/conf/nginx.conf"
 for f in "$ROOT"/examples/gateway/conf.d/*.conf; do
     [ -e "$f" ] || continue
