@@ -5,6 +5,8 @@
 #   make test    install everything, lint, build (runtimes included), run
 #                the whole test suite
 #   make runtimes  build the offload runtimes (C, Rust, Go, Python)
+#   make install   PREFIX=/usr/local (DESTDIR= for staging)
+#   make deb       build/libnginx-mod-http-loom_<version>-1_<arch>.deb
 #   make build   build build/ngx_loom_module.so (NGINX_SRC=<tree> to use
 #                another nginx or OpenResty source tree) and the benchmark's
 #                Pub/Sub sink, build/pubsub-sink
@@ -24,7 +26,19 @@ SINK         := $(BUILD_DIR)/pubsub-sink
 C_SOURCES    := $(wildcard src/*.c src/*.h include/*.h) config
 RUNTIMES     := $(patsubst %/Makefile,%,$(wildcard runtimes/*/Makefile))
 
-.PHONY: all deps deps-run build runtimes test lint run clean bench
+# the release: src/ngx_loom.h's NGX_LOOM_VERSION (each Lua module's
+# _VERSION, the rockspec and dist.ini say the same; tests check it)
+VERSION      := $(shell sed -n 's/^\#define NGX_LOOM_VERSION *"\(.*\)"/\1/p' \
+                  src/ngx_loom.h)
+# make install [PREFIX=/usr/local] [DESTDIR=<staging root>]
+PREFIX       ?= /usr/local
+LUA_DIR      ?= $(PREFIX)/share/lua/5.1
+MODULES_DIR  ?= $(PREFIX)/lib/nginx/modules
+INCLUDE_DIR  ?= $(PREFIX)/include
+DOC_DIR      ?= $(PREFIX)/share/doc/lua-resty-loom
+
+.PHONY: all deps deps-run build runtimes test lint run clean bench install \
+        deb
 
 all: build
 
@@ -111,6 +125,20 @@ bench-%: deps build runtimes
 	$(PYTHON) bench/$*/run.py
 
 bench: bench-events bench-timer bench-offload bench-watchdog bench-publish
+
+# the Lua modules, the nginx module, the offload ABI header and the docs
+install: $(MODULE)
+	cd lib && find resty -name '*.lua' -exec \
+	    install -D -m 0644 {} $(DESTDIR)$(LUA_DIR)/{} \;
+	install -D -m 0644 $(MODULE) $(DESTDIR)$(MODULES_DIR)/ngx_loom_module.so
+	install -D -m 0644 include/loom_offload.h \
+	    $(DESTDIR)$(INCLUDE_DIR)/loom_offload.h
+	install -d $(DESTDIR)$(DOC_DIR)
+	install -m 0644 README.md CHANGELOG.md LICENSE docs/*.md $(DESTDIR)$(DOC_DIR)
+
+# build/libnginx-mod-http-loom_<version>-1_<arch>.deb (packaging/deb)
+deb: $(MODULE)
+	packaging/deb/build.sh $(VERSION) $(BUILD_DIR)
 
 clean:
 	rm -rf $(BUILD_DIR)
