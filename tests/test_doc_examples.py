@@ -7,6 +7,7 @@ docs/development.md ("Doc examples").
 import glob
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -57,7 +58,8 @@ class Block:
 
 def blocks_of(page):
     out = []
-    lines = open(os.path.join(ROOT, page)).read().split("\n")
+    with open(os.path.join(ROOT, page)) as f:
+        lines = f.read().split("\n")
     section = ""
     i = 0
     while i < len(lines):
@@ -268,6 +270,10 @@ def needs_runtimes(text):
 
 @pytest.mark.parametrize("group,page_blocks", examples())
 def test_doc_example(group, page_blocks):
+    run_example(group, page_blocks)
+
+
+def run_example(group, page_blocks):
     first = group[0]
     if first.role is None:
         pytest.fail("%s: a `%s` block needs a marker on its first line "
@@ -287,6 +293,10 @@ def test_doc_example(group, page_blocks):
     missing = needs_runtimes("\n".join(b.text for b in group))
     if missing:
         pytest.skip("not built: %s (make runtimes)" % ", ".join(missing))
+    tools = [t for b in group if b.role == "run" for t in b.arg.split()
+             if not shutil.which(t)]
+    if tools:
+        pytest.skip("not installed: %s" % ", ".join(tools))
 
     ex = Example(group)
     try:
@@ -294,24 +304,25 @@ def test_doc_example(group, page_blocks):
             if b.role == "file":
                 assert b.arg, "%s: `file` needs a path" % b.name
                 ex.write(b.arg, ex.sub(b.body()))
-        for b in confs:
-            if b.role == "content":
-                code = "\n".join(" " * 16 + line
-                                 for line in b.body().split("\n"))
-                ex.nginx_conf(CONTENT_CONF.format(code=code))
-            else:
-                ex.nginx_conf(b.body())
-            ex.start()
-        if confs and confs[0].role == "content":
-            out = subprocess.run(
-                ["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}",
-                 "http://127.0.0.1:%d/t" % ex.port],
-                capture_output=True, text=True, timeout=30).stdout
-            assert out == "200", "%s answered %s:\n%s" % (
-                first.name, out, ex.error_log())
+        # in page order: a run block before the nginx.conf (a build, say)
+        # runs before nginx starts, one after it against the running nginx
         for b in group:
             if b.role == "run":
                 ex.run_sh(b)
+            elif b.role == "nginx.conf":
+                ex.nginx_conf(b.body())
+                ex.start()
+            elif b.role == "content":
+                code = "\n".join(" " * 16 + line
+                                 for line in b.body().split("\n"))
+                ex.nginx_conf(CONTENT_CONF.format(code=code))
+                ex.start()
+                out = subprocess.run(
+                    ["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}",
+                     "http://127.0.0.1:%d/t" % ex.port],
+                    capture_output=True, text=True, timeout=30).stdout
+                assert out == "200", "%s answered %s:\n%s" % (
+                    first.name, out, ex.error_log())
         ex.stop()
         ex.check_log()
     finally:
@@ -319,3 +330,56 @@ def test_doc_example(group, page_blocks):
             ex.stop()
         finally:
             subprocess.run(["rm", "-rf", ex.dir])
+
+
+SELF_TEST = """
+## Synopsis
+
+```sh
+# doc-test: run gcc
+printf 'const char *answer(void) { return "%s"; }' > answer.c
+gcc -shared -fPIC -o answer.so answer.c && echo built
+# => ^built$
+```
+
+```nginx
+load_module /usr/share/nginx/modules/ndk_http_module.so;
+load_module /usr/share/nginx/modules/ngx_http_lua_module.so;
+events {}
+http {
+    server {
+        listen 8080;
+        location = /t {
+            content_by_lua_block {
+                local ffi = require "ffi"
+                ffi.cdef("const char *answer(void);")
+                local lib = ffi.load(ngx.config.prefix() .. "answer.so")
+                ngx.say(ffi.string(lib.answer()))
+            }
+        }
+    }
+}
+```
+
+```sh
+# doc-test: run
+curl -s http://127.0.0.1:8080/t
+# => ^%s$
+```
+"""
+
+
+@pytest.mark.parametrize("says,expects,passes", [("42", "42", True),
+                                                 ("42", "43", False)])
+def test_the_checker_itself(tmp_path, says, expects, passes):
+    """A build before nginx, nginx, a check after: the right output
+    passes, a wrong one fails."""
+    page = tmp_path / "page.md"
+    page.write_text(SELF_TEST % (says, expects))
+    blocks = blocks_of(str(page))
+    assert [b.role for b in blocks] == ["run", "nginx.conf", "run"]
+    if passes:
+        run_example(blocks, blocks)
+    else:
+        with pytest.raises(pytest.fail.Exception, match="does not match"):
+            run_example(blocks, blocks)
