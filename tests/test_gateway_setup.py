@@ -4,7 +4,10 @@ workers leave root, a taken port and missing packages each print one line
 saying what to do, and an idle gateway logs nothing."""
 
 import os
+import pathlib
 import re
+import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -109,3 +112,44 @@ def test_idle_gateway_logs_nothing():
     finally:
         g.stop()
     assert after == before, "an idle gateway logged:\n" + after[len(before):]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to become nobody")
+def test_gateway_runs_as_a_non_root_user():
+    # not under pytest's tmp_path: its parent is root's alone
+    tmp_path = pathlib.Path(tempfile.mkdtemp(prefix="loom-nonroot-"))
+    os.chmod(tmp_path, 0o755)
+    prefix = tmp_path / "prefix"
+    prefix.mkdir()
+    os.chown(prefix, 65534, 65534)
+    port = free_port()
+    env = dict(os.environ, LOOM_GATEWAY_PREFIX=str(prefix),
+               LOOM_GATEWAY_LISTEN="127.0.0.1:%d" % port)
+    out = tmp_path / "out.log"
+    with open(out, "w") as log:
+        proc = subprocess.Popen(
+            ["setpriv", "--reuid=nobody", "--regid=nogroup",
+             "--clear-groups", RUN_SH], env=env, cwd="/",
+            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        g = Gateway()
+        g.port = port
+        deadline = time.time() + 20
+        while True:
+            assert proc.poll() is None, out.read_text()
+            try:
+                r = g.get("/")
+                break
+            except OSError:
+                assert time.time() < deadline, out.read_text()
+                time.sleep(0.1)
+        assert r.status == 200
+        r = g.request("PUT", "/config/k", body=b"v")
+        assert r.status == 200, r.text
+        assert g.get("/offload/hash?data=x&rounds=1").status == 200
+    finally:
+        proc.send_signal(signal.SIGQUIT)
+        proc.wait(20)
+    log = out.read_text()
+    shutil.rmtree(tmp_path)
+    assert not re.search(r"\[(warn|error|crit|alert|emerg)\]", log), log
