@@ -9,6 +9,7 @@ import time
 import xml.etree.ElementTree as ET
 
 from loomtest.gateway import Gateway
+from loomtest.nginx import ROOT
 
 MiB = 1024 * 1024
 
@@ -152,3 +153,16 @@ def test_flame_graphs_are_valid_svg(gateway):
         root = ET.fromstring(r.body)          # raises on anything after </svg>
         assert root.tag == "{http://www.w3.org/2000/svg}svg", root.tag
     gateway.allow_log(r"event loop blocked")
+
+
+def test_lua_error_is_500_json(nginx):
+    n = nginx(workers=1, http="""
+    init_by_lua_block {
+        package.path = "%(root)s/examples/gateway/lua/?.lua;" .. package.path
+    }""" % {"root": ROOT}, server="""
+    include %s/examples/gateway/conf.d/errors.server.conf;
+    location = /boom { content_by_lua_block { error("boom") } }
+    """ % ROOT)
+    n.allow_log(r"boom")
+    r = n.get("/boom")
+    assert json_error(r, 500) == "internal server error"
