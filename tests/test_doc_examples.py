@@ -383,3 +383,30 @@ def test_the_checker_itself(tmp_path, says, expects, passes):
     else:
         with pytest.raises(pytest.fail.Exception, match="does not match"):
             run_example(blocks, blocks)
+
+
+RULES = [
+    # (page text, None if it passes or the message its failure contains)
+    ("```nginx\nevents {}\n```\n\n```nginx\n# doc-test: fragment\n"
+     "events {}\n```\n", None),
+    ("```nginx\nevents {}\n```\n\n```nginx\n# doc-test: fragment\n"
+     "http {}\n```\n", "is not in an earlier block"),
+    ("```sh\nls\n```\n", "needs a marker"),
+    ("```sh\n# doc-test: skip:\nls\n```\n", "needs a reason"),
+    ("```sh\n# doc-test: run\nls\n```\n", "needs a `# => <regex>` check"),
+    ("```sh\n# doc-test: frobnicate\nls\n```\n", "unknown doc-test role"),
+]
+
+
+@pytest.mark.parametrize("text,failure", RULES)
+def test_marker_rules(tmp_path, text, failure):
+    page = tmp_path / "page.md"
+    page.write_text(text)
+    blocks = blocks_of(str(page))
+    last = [blocks[-1]]
+    if failure is None:
+        run_example(last, blocks)
+        return
+    with pytest.raises((pytest.fail.Exception, AssertionError),
+                       match=re.escape(failure)):
+        run_example(last, blocks)
