@@ -17,7 +17,6 @@ mechanisms (A B C ... then ... C B A); figures are medians over passes.
 Results: bench/results/offload.json.
 """
 
-import argparse
 import datetime
 import json
 import os
@@ -31,6 +30,10 @@ import subprocess
 import sys
 import time
 import urllib.request
+
+sys.path.insert(0, os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), ".."))
+import benchcli  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
@@ -173,7 +176,7 @@ def build(mechs):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = benchcli.parser(__doc__)
     ap.add_argument("--duration", type=int, default=10,
                     help="seconds per wrk run (default 10)")
     # 3: the median of 2 is their mean, and one pass that fell off the
@@ -222,6 +225,11 @@ def main():
         keep = args.only.split(",")
         mechs = [m for m in mechs if m in keep]
         libs = {k: v for k, v in libs.items() if k in keep}
+    # sequential: ~10 us a call; concurrent: one wrk run per cell
+    benchcli.announce(__doc__, args.passes * len(sizes) * (
+        len(mechs) * (args.calls * 10e-6 + 1)
+        + (not args.skip_concurrent) * (len(mechs) + 1) * (args.duration + 2)),
+        "print only" if args.no_write else RESULTS)
 
     side = build(mechs)
     prefix = os.path.join(TMP, "nginx")
