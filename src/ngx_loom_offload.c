@@ -43,6 +43,7 @@
 #include <ngx_event.h>
 #include <ngx_http.h>
 #include <dlfcn.h>
+#include <malloc.h>
 #include <pthread.h>
 #include <sched.h>
 #include <signal.h>
@@ -101,6 +102,16 @@
  * full window and a CPU the event loops needed
  */
 #define LOOM_SPIN_PAYS_NS            10000
+
+/*
+ * after a burst of at least this many tasks alive at once, the worker
+ * gives the freed heap back to the system LOOM_TRIM_DELAY ms after 7/8 of
+ * them are gone (later, so that the requests that made the calls are
+ * freed too): malloc keeps it otherwise, 50,000 calls in flight left
+ * ~50 MB
+ */
+#define LOOM_TRIM_TASKS              4096
+#define LOOM_TRIM_DELAY              1000
 
 /* at most this many calls skip the poll after polls that missed */
 #define LOOM_POLL_BACKOFF_MAX        256
@@ -267,6 +278,9 @@ typedef struct {
     ngx_queue_t                  queues;
     loom_offload_task_t         *garbage;
     ngx_event_t                  gc_event;
+    ngx_uint_t                   tasks;        /* alive */
+    ngx_uint_t                   tasks_peak;   /* since the last trim */
+    ngx_event_t                  trim_ev;
     ngx_loom_sema_new_pt         sema_new;
     ngx_loom_sema_post_pt        sema_post;
     ngx_loom_sema_gc_pt          sema_gc;
@@ -277,6 +291,7 @@ static void ngx_loom_offload_exit_process(ngx_cycle_t *cycle);
 static ngx_int_t ngx_loom_offload_worker_init(u_char *err, size_t *errlen);
 static void ngx_loom_offload_read_handler(ngx_event_t *rev);
 static void ngx_loom_offload_gc_handler(ngx_event_t *ev);
+static void ngx_loom_offload_trim_handler(ngx_event_t *ev);
 static void ngx_loom_offload_grace_handler(ngx_event_t *ev);
 static void ngx_loom_offload_kick_handler(ngx_event_t *ev);
 static ngx_uint_t ngx_loom_offload_may_poll(loom_offload_queue_t *q,
@@ -294,6 +309,7 @@ static void ngx_loom_offload_resolve(loom_offload_task_t *t, int result);
 static void ngx_loom_offload_task_free(loom_offload_task_t *t);
 static void ngx_loom_offload_unpend(loom_offload_task_t *t);
 static void ngx_loom_offload_request_cleanup(void *data);
+static void ngx_loom_offload_discard(loom_offload_task_t *t);
 static void ngx_loom_offload_publish(loom_offload_task_t *t);
 static void *ngx_loom_offload_start_thread(void *data);
 static void *ngx_loom_offload_shutdown_thread(void *data);
@@ -374,7 +390,7 @@ static const loom_offload_host_t  ngx_loom_offload_host = {
 static ngx_loom_offload_worker_t  ngx_loom_offload_w = {
     PTHREAD_MUTEX_INITIALIZER, NULL, -1,
     0, 0, 0, 0, NULL, { NULL, NULL }, NULL,
-    { 0 }, NULL, NULL, NULL
+    { 0 }, 0, 0, { 0 }, NULL, NULL, NULL
 };
 
 static pthread_mutex_t  ngx_loom_offload_exit_mtx = PTHREAD_MUTEX_INITIALIZER;
@@ -889,6 +905,11 @@ ngx_loom_offload_worker_init(u_char *err, size_t *errlen)
     w->gc_event.log = ngx_cycle->log;
     w->gc_event.data = w;
 
+    w->trim_ev.handler = ngx_loom_offload_trim_handler;
+    w->trim_ev.log = ngx_cycle->log;
+    w->trim_ev.data = w;
+    w->trim_ev.cancelable = 1;
+
     w->exiting = ngx_exiting;
     w->inited = 1;
 
@@ -1082,6 +1103,10 @@ ngx_loom_offload_resolve(loom_offload_task_t *t, int result)
 static void
 ngx_loom_offload_task_free(loom_offload_task_t *t)
 {
+    ngx_loom_offload_worker_t  *w;
+
+    w = &ngx_loom_offload_w;
+
     ngx_queue_remove(&t->live);
 
     if (t->in_request) {
@@ -1097,6 +1122,26 @@ ngx_loom_offload_task_free(loom_offload_task_t *t)
     }
 
     free(t);
+
+    w->tasks--;
+
+    if (w->tasks_peak >= LOOM_TRIM_TASKS && w->tasks <= w->tasks_peak / 8
+        && !w->trim_ev.timer_set && !w->exiting)
+    {
+        ngx_add_timer(&w->trim_ev, LOOM_TRIM_DELAY);
+    }
+}
+
+
+static void
+ngx_loom_offload_trim_handler(ngx_event_t *ev)
+{
+    ngx_loom_offload_worker_t  *w;
+
+    w = ev->data;
+
+    (void) malloc_trim(0);
+    w->tasks_peak = w->tasks;
 }
 
 
@@ -1130,11 +1175,8 @@ ngx_loom_offload_request_cleanup(void *data)
 {
     ngx_loom_offload_rctx_t  *rctx = data;
 
-    ngx_queue_t                *x;
-    loom_offload_task_t        *t;
-    ngx_loom_offload_worker_t  *w;
-
-    w = &ngx_loom_offload_w;
+    ngx_queue_t          *x;
+    loom_offload_task_t  *t;
 
     while (!ngx_queue_empty(&rctx->tasks)) {
         x = ngx_queue_head(&rctx->tasks);
@@ -1152,19 +1194,37 @@ ngx_loom_offload_request_cleanup(void *data)
         ngx_loom_offload_unpend(t);
 
         if (!t->rt) {
-            t->garbage = 1;
-
             /*
              * the coroutine may still sit in the semaphore's wait queue
-             * until lua-nginx-module's own cleanup runs: free later
+             * until lua-nginx-module's own cleanup runs
              */
-            t->next = w->garbage;
-            w->garbage = t;
-
-            if (!w->gc_event.posted) {
-                ngx_post_event(&w->gc_event, &ngx_posted_events);
-            }
+            ngx_loom_offload_discard(t);
         }
+    }
+}
+
+
+/*
+ * Frees a task nobody holds any more at the end of this event loop
+ * iteration, not now: a call returns to Lua from inside its semaphore's
+ * event handler, which reads the semaphore again after the coroutine
+ * yields, and lua-nginx-module frees a whole block of semaphores (4,095)
+ * when its last one comes back. Returning the semaphore there crashed
+ * workers with more than two blocks of calls in flight
+ */
+static void
+ngx_loom_offload_discard(loom_offload_task_t *t)
+{
+    ngx_loom_offload_worker_t  *w;
+
+    w = &ngx_loom_offload_w;
+
+    t->garbage = 1;
+    t->next = w->garbage;
+    w->garbage = t;
+
+    if (!w->gc_event.posted) {
+        ngx_post_event(&w->gc_event, &ngx_posted_events);
     }
 }
 
@@ -1795,12 +1855,15 @@ int
 ngx_loom_offload_ffi_submit(ngx_http_request_t *r, loom_offload_queue_t *q,
     const u_char *data, size_t len, loom_offload_task_t **out, void **sem)
 {
-    char                     *errmsg;
-    size_t                    cap;
-    uint64_t                  now;
-    ngx_http_cleanup_t       *cln;
-    loom_offload_task_t      *t;
-    ngx_loom_offload_rctx_t  *rctx;
+    char                       *errmsg;
+    size_t                      cap;
+    uint64_t                    now;
+    ngx_http_cleanup_t         *cln;
+    loom_offload_task_t        *t;
+    ngx_loom_offload_rctx_t    *rctx;
+    ngx_loom_offload_worker_t  *w;
+
+    w = &ngx_loom_offload_w;
 
     if (ngx_loom_load(&q->closed)) {
         return LOOM_FFI_DECLINED;
@@ -1845,7 +1908,7 @@ ngx_loom_offload_ffi_submit(ngx_http_request_t *r, loom_offload_queue_t *q,
 
     ngx_memzero(t, offsetof(loom_offload_task_t, data));
 
-    if (ngx_loom_offload_w.sema_new(&t->sem, 0, &errmsg) != NGX_OK) {
+    if (w->sema_new(&t->sem, 0, &errmsg) != NGX_OK) {
         free(t);
         return LOOM_FFI_ERROR;
     }
@@ -1868,6 +1931,12 @@ ngx_loom_offload_ffi_submit(ngx_http_request_t *r, loom_offload_queue_t *q,
 
     ngx_queue_insert_tail(&rctx->tasks, &t->rlink);
     ngx_queue_insert_tail(&q->live, &t->live);
+
+    w->tasks++;
+
+    if (w->tasks > w->tasks_peak) {
+        w->tasks_peak = w->tasks;
+    }
 
     pthread_mutex_lock(&q->mtx);
 
@@ -2051,13 +2120,12 @@ ngx_loom_offload_ffi_release(loom_offload_task_t *t)
 
     t->lua = 0;
 
+    /*
+     * else resolved as "closed" while a runtime thread still holds it:
+     * freed with its semaphore when the answer comes
+     */
     if (!t->rt) {
-        ngx_loom_offload_task_free(t);
-
-    } else if (t->sem) {
-        /* resolved as "closed" while a runtime thread still holds it */
-        ngx_loom_offload_w.sema_gc(t->sem);
-        t->sem = NULL;
+        ngx_loom_offload_discard(t);
     }
 }
 
@@ -2085,16 +2153,10 @@ ngx_loom_offload_ffi_cancel(loom_offload_task_t *t)
 
     t->lua = 0;
 
-    /* the coroutine left the wait queue when it timed out */
-    if (t->sem) {
-        ngx_loom_offload_w.sema_gc(t->sem);
-        t->sem = NULL;
-    }
-
     ngx_loom_offload_unpend(t);
 
     if (!t->rt) {
-        ngx_loom_offload_task_free(t);
+        ngx_loom_offload_discard(t);
     }
 
     return 0;
