@@ -113,6 +113,15 @@
 #define LOOM_TRIM_TASKS              4096
 #define LOOM_TRIM_DELAY              1000
 
+/*
+ * tasks runtime threads hold (taken, not answered), by address: answer()
+ * checks a task against them before it touches it, so that a second
+ * answer, or an answer for something never taken, is refused and logged
+ * instead of corrupting the worker. Striped to keep answers from
+ * different threads apart
+ */
+#define LOOM_HELD_STRIPES            64
+
 /* at most this many calls skip the poll after polls that missed */
 #define LOOM_POLL_BACKOFF_MAX        256
 
@@ -130,6 +139,9 @@ typedef struct {
 struct loom_offload_task_s {
     ngx_queue_t                  pending;      /* queue mutex */
     loom_offload_task_t         *next;         /* completion / garbage */
+    loom_offload_task_t         *held_next;    /* its held stripe's lock */
+    ngx_queue_t                  overdue;      /* main thread */
+    ngx_msec_t                   overdue_at;   /* main thread */
     ngx_queue_t                  live;         /* main thread */
     ngx_queue_t                  rlink;        /* main thread */
     loom_offload_queue_t        *queue;
@@ -161,6 +173,8 @@ struct loom_offload_task_s {
     unsigned                     kick:1;       /* needs a sleeper woken */
     unsigned                     woke:1;       /* woke a sleeper at once */
     unsigned                     poll:1;       /* the loop may poll */
+    unsigned                     in_overdue:1;
+    unsigned                     reclaimed:1;  /* held stripe's lock */
 
     size_t                       req_len;
     size_t                       cap;
@@ -204,6 +218,9 @@ struct loom_offload_queue_s {
     size_t                       config_len;
     unsigned                     threads;
     ngx_msec_t                   grace;
+    ngx_msec_t                   reclaim;
+    ngx_queue_t                  overdue;      /* given up, still held */
+    ngx_event_t                  reclaim_ev;
     int                          global;
     ngx_event_t                  grace_ev;
     ngx_event_t                  kick_ev;      /* posted: wake sleepers */
@@ -229,6 +246,9 @@ struct loom_offload_queue_s {
     uint64_t                     closed_calls;
     uint64_t                     aborted;
     uint64_t                     late;
+    uint64_t                     reclaimed;
+    uint64_t                     reclaimed_held;
+    uint64_t                     misused;
     uint64_t                     lat_n;
     uint64_t                     lat_sum;
     uint64_t                     lat_max;
@@ -261,6 +281,8 @@ typedef struct {
     double                       polled;
     double                       polled_hits;
     double                       peak_queued;
+    double                       reclaimed;
+    double                       misused;
 } ngx_loom_offload_stats_t;
 
 
@@ -287,6 +309,12 @@ typedef struct {
 } ngx_loom_offload_worker_t;
 
 
+typedef struct {
+    pthread_mutex_t              mtx;
+    loom_offload_task_t         *tasks;
+} ngx_loom_offload_held_t;
+
+
 static void ngx_loom_offload_exit_process(ngx_cycle_t *cycle);
 static ngx_int_t ngx_loom_offload_worker_init(u_char *err, size_t *errlen);
 static void ngx_loom_offload_read_handler(ngx_event_t *rev);
@@ -310,6 +338,13 @@ static void ngx_loom_offload_task_free(loom_offload_task_t *t);
 static void ngx_loom_offload_unpend(loom_offload_task_t *t);
 static void ngx_loom_offload_request_cleanup(void *data);
 static void ngx_loom_offload_discard(loom_offload_task_t *t);
+static void ngx_loom_offload_held_init(void);
+static ngx_loom_offload_held_t *ngx_loom_offload_held_stripe(
+    loom_offload_task_t *t);
+static loom_offload_task_t **ngx_loom_offload_held_find(
+    ngx_loom_offload_held_t *h, loom_offload_task_t *t);
+static void ngx_loom_offload_overdue(loom_offload_task_t *t);
+static void ngx_loom_offload_reclaim_handler(ngx_event_t *ev);
 static void ngx_loom_offload_publish(loom_offload_task_t *t);
 static void *ngx_loom_offload_start_thread(void *data);
 static void *ngx_loom_offload_shutdown_thread(void *data);
@@ -332,8 +367,8 @@ static void ngx_loom_offload_log(loom_offload_queue_t *q, int level,
 /* FFI entry points */
 int ngx_loom_offload_ffi_load(const char *path, const char *config,
     size_t config_len, int threads, int bound, int grace_ms, int spin_us,
-    int poll_us, int global, loom_offload_queue_t **out, u_char *err,
-    size_t *errlen);
+    int poll_us, int reclaim_ms, int global, loom_offload_queue_t **out,
+    u_char *err, size_t *errlen);
 int ngx_loom_offload_ffi_poll(loom_offload_task_t *t);
 int ngx_loom_offload_ffi_submit(ngx_http_request_t *r,
     loom_offload_queue_t *q, const u_char *data, size_t len,
@@ -393,6 +428,9 @@ static ngx_loom_offload_worker_t  ngx_loom_offload_w = {
     { 0 }, 0, 0, { 0 }, NULL, NULL, NULL
 };
 
+static ngx_loom_offload_held_t  ngx_loom_offload_held[LOOM_HELD_STRIPES];
+static pthread_once_t  ngx_loom_offload_held_once = PTHREAD_ONCE_INIT;
+
 static pthread_mutex_t  ngx_loom_offload_exit_mtx = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t   ngx_loom_offload_exit_cond = PTHREAD_COND_INITIALIZER;
 
@@ -440,9 +478,10 @@ ngx_loom_offload_wait(loom_offload_queue_t *q, int timeout_ms,
     uint64_t               deadline, now, spin;
     ngx_uint_t             n;
     ngx_queue_t           *x;
-    struct timespec        ts;
-    loom_offload_task_t   *t;
-    loom_offload_queue_t  *prev;
+    struct timespec           ts;
+    loom_offload_task_t      *t;
+    loom_offload_queue_t     *prev;
+    ngx_loom_offload_held_t  *h;
 
     *task = NULL;
     slept = 0;
@@ -585,6 +624,12 @@ ngx_loom_offload_wait(loom_offload_queue_t *q, int timeout_ms,
     t = ngx_queue_data(x, loom_offload_task_t, pending);
     t->where = LOOM_WHERE_TAKEN;
 
+    h = ngx_loom_offload_held_stripe(t);
+    pthread_mutex_lock(&h->mtx);
+    t->held_next = h->tasks;
+    h->tasks = t;
+    pthread_mutex_unlock(&h->mtx);
+
     ngx_loom_store(&q->npending, q->npending - 1);
     ngx_loom_store(&q->taken, q->taken + 1);
 
@@ -685,17 +730,60 @@ static int
 ngx_loom_offload_answer(loom_offload_task_t *t, int status,
     const void *data, size_t len)
 {
-    int      rc;
-    u_char  *p;
+    int                        rc;
+    u_char                    *p;
+    loom_offload_task_t      **pt;
+    loom_offload_queue_t      *q;
+    ngx_loom_offload_held_t   *h;
 
+    h = ngx_loom_offload_held_stripe(t);
+
+    pthread_mutex_lock(&h->mtx);
+
+    pt = ngx_loom_offload_held_find(h, t);
+    if (pt) {
+        *pt = t->held_next;
+    }
+
+    pthread_mutex_unlock(&h->mtx);
+
+    if (pt == NULL) {
+        /*
+         * not a task this thread's runtime holds: t may be freed, or
+         * another call's by now, so it is not looked at. The queue this
+         * thread took its last task from names the runtime, if any
+         */
+        q = ngx_loom_offload_tls_q;
+
+        ngx_log_error(NGX_LOG_ERR, ngx_cycle->log, 0,
+                      "[loom.offload] %s: answer() for a task the runtime "
+                      "does not hold (answered twice, or never taken): "
+                      "ignored", q ? q->path : "a runtime");
+
+        if (q) {
+            (void) __atomic_fetch_add(&q->misused, 1, __ATOMIC_RELAXED);
+        }
+
+        return -1;
+    }
+
+    q = t->queue;
     rc = 0;
 
     if (status != LOOM_OFFLOAD_OK) {
         status = LOOM_OFFLOAD_ERROR;
     }
 
-    if (data == NULL) {
-        len = 0;
+    if (data == NULL && len) {
+        ngx_log_error(NGX_LOG_ERR, ngx_cycle->log, 0,
+                      "[loom.offload] %s: answer() with NULL data and "
+                      "length %uz: the call fails", q->path, len);
+
+        data = "invalid answer: NULL data with a length";
+        len = sizeof("invalid answer: NULL data with a length") - 1;
+        status = LOOM_OFFLOAD_ERROR;
+        rc = -1;
+        (void) __atomic_fetch_add(&q->misused, 1, __ATOMIC_RELAXED);
     }
 
     if (ngx_loom_load(&t->cancelled)) {
@@ -828,6 +916,9 @@ ngx_loom_offload_worker_init(u_char *err, size_t *errlen)
     if (w->inited) {
         return NGX_OK;
     }
+
+    (void) pthread_once(&ngx_loom_offload_held_once,
+                        ngx_loom_offload_held_init);
 
     w->sema_new = (ngx_loom_sema_new_pt)
                   dlsym(RTLD_DEFAULT, "ngx_http_lua_ffi_sema_new");
@@ -1004,6 +1095,15 @@ ngx_loom_offload_done(loom_offload_task_t *t)
     t->rt = 0;
     q->answered++;
 
+    if (t->in_overdue) {
+        ngx_queue_remove(&t->overdue);
+        t->in_overdue = 0;
+    }
+
+    if (t->reclaimed) {
+        q->reclaimed_held--;
+    }
+
     /*
      * what the event loop would have had to poll for: how long a thread
      * took to pick the task up (one awake, or one woken) and how long it
@@ -1109,6 +1209,10 @@ ngx_loom_offload_task_free(loom_offload_task_t *t)
 
     ngx_queue_remove(&t->live);
 
+    if (t->in_overdue) {
+        ngx_queue_remove(&t->overdue);
+    }
+
     if (t->in_request) {
         ngx_queue_remove(&t->rlink);
     }
@@ -1199,6 +1303,9 @@ ngx_loom_offload_request_cleanup(void *data)
              * until lua-nginx-module's own cleanup runs
              */
             ngx_loom_offload_discard(t);
+
+        } else {
+            ngx_loom_offload_overdue(t);
         }
     }
 }
@@ -1225,6 +1332,120 @@ ngx_loom_offload_discard(loom_offload_task_t *t)
 
     if (!w->gc_event.posted) {
         ngx_post_event(&w->gc_event, &ngx_posted_events);
+    }
+}
+
+
+static void
+ngx_loom_offload_held_init(void)
+{
+    ngx_uint_t  i;
+
+    for (i = 0; i < LOOM_HELD_STRIPES; i++) {
+        (void) pthread_mutex_init(&ngx_loom_offload_held[i].mtx, NULL);
+    }
+}
+
+
+static ngx_loom_offload_held_t *
+ngx_loom_offload_held_stripe(loom_offload_task_t *t)
+{
+    uintptr_t  a;
+
+    a = (uintptr_t) t;
+
+    return &ngx_loom_offload_held[(a >> 6 ^ a >> 12) % LOOM_HELD_STRIPES];
+}
+
+
+/* the link pointing at t in its stripe, or NULL; under the stripe lock */
+static loom_offload_task_t **
+ngx_loom_offload_held_find(ngx_loom_offload_held_t *h,
+    loom_offload_task_t *t)
+{
+    loom_offload_task_t  **pt;
+
+    for (pt = &h->tasks; *pt; pt = &(*pt)->held_next) {
+        if (*pt == t) {
+            return pt;
+        }
+    }
+
+    return NULL;
+}
+
+
+/*
+ * Lua gave up on a task a runtime thread holds: unless answered within
+ * the queue's reclaim time, it is reclaimed (no longer "running", logged)
+ */
+static void
+ngx_loom_offload_overdue(loom_offload_task_t *t)
+{
+    loom_offload_queue_t  *q;
+
+    q = t->queue;
+
+    if (t->in_overdue || q->reclaim == 0) {
+        return;
+    }
+
+    t->in_overdue = 1;
+    t->overdue_at = ngx_current_msec + q->reclaim;
+
+    /* one reclaim time per queue: the list stays in deadline order */
+    ngx_queue_insert_tail(&q->overdue, &t->overdue);
+
+    if (!q->reclaim_ev.timer_set) {
+        ngx_add_timer(&q->reclaim_ev, q->reclaim);
+    }
+}
+
+
+static void
+ngx_loom_offload_reclaim_handler(ngx_event_t *ev)
+{
+    ngx_queue_t               *x;
+    loom_offload_task_t       *t;
+    loom_offload_queue_t      *q;
+    ngx_loom_offload_held_t   *h;
+
+    q = ev->data;
+
+    while (!ngx_queue_empty(&q->overdue)) {
+        x = ngx_queue_head(&q->overdue);
+        t = ngx_queue_data(x, loom_offload_task_t, overdue);
+
+        if ((ngx_msec_int_t) (t->overdue_at - ngx_current_msec) > 0) {
+            ngx_add_timer(ev, t->overdue_at - ngx_current_msec);
+            return;
+        }
+
+        ngx_queue_remove(x);
+        t->in_overdue = 0;
+
+        h = ngx_loom_offload_held_stripe(t);
+
+        pthread_mutex_lock(&h->mtx);
+
+        /* not held any more: answered, on its way to the event loop */
+        if (ngx_loom_offload_held_find(h, t) != NULL) {
+            t->reclaimed = 1;
+        }
+
+        pthread_mutex_unlock(&h->mtx);
+
+        if (t->reclaimed) {
+            q->reclaimed++;
+            q->reclaimed_held++;
+
+            ngx_log_error(NGX_LOG_ERR, ev->log, 0,
+                          "[loom.offload] %s: a task was not answered "
+                          "within %M ms after its call gave up: no longer "
+                          "counted as running (a runtime thread is stuck, "
+                          "or the runtime lost the task)",
+                          q->path, q->reclaim);
+        }
     }
 }
 
@@ -1380,6 +1601,10 @@ ngx_loom_offload_close(loom_offload_queue_t *q)
 
     if (q->wake_ev.timer_set) {
         ngx_del_timer(&q->wake_ev);
+    }
+
+    if (q->reclaim_ev.timer_set) {
+        ngx_del_timer(&q->reclaim_ev);
     }
 
     if (q->kick_ev.posted) {
@@ -1705,8 +1930,8 @@ ngx_loom_offload_hist_value(ngx_uint_t i)
 int
 ngx_loom_offload_ffi_load(const char *path, const char *config,
     size_t config_len, int threads, int bound, int grace_ms, int spin_us,
-    int poll_us, int global, loom_offload_queue_t **out, u_char *err,
-    size_t *errlen)
+    int poll_us, int reclaim_ms, int global, loom_offload_queue_t **out,
+    u_char *err, size_t *errlen)
 {
     size_t                      len;
     pthread_condattr_t          attr;
@@ -1783,10 +2008,12 @@ ngx_loom_offload_ffi_load(const char *path, const char *config,
 
     ngx_queue_init(&q->pending);
     ngx_queue_init(&q->live);
+    ngx_queue_init(&q->overdue);
 
     q->bound = bound > 0 ? (ngx_uint_t) bound : 1;
     q->threads = threads > 0 ? (unsigned) threads : 1;
     q->grace = grace_ms > 0 ? (ngx_msec_t) grace_ms : 0;
+    q->reclaim = reclaim_ms > 0 ? (ngx_msec_t) reclaim_ms : 0;
     q->spin_ns = spin_us > 0 ? (uint64_t) spin_us * 1000 : 0;
     q->spin_cur_ns = q->spin_ns;
     q->poll_ns = poll_us > 0 ? (uint64_t) poll_us * 1000 : 0;
@@ -1809,6 +2036,11 @@ ngx_loom_offload_ffi_load(const char *path, const char *config,
     q->wake_ev.log = ngx_cycle->log;
     q->wake_ev.data = q;
     q->wake_ev.cancelable = 1;
+
+    q->reclaim_ev.handler = ngx_loom_offload_reclaim_handler;
+    q->reclaim_ev.log = ngx_cycle->log;
+    q->reclaim_ev.data = q;
+    q->reclaim_ev.cancelable = 1;
 
     if (ngx_loom_offload_spawn(ngx_loom_offload_start_thread, q) != 0) {
         *errlen = ngx_snprintf(err, *errlen,
@@ -2126,6 +2358,9 @@ ngx_loom_offload_ffi_release(loom_offload_task_t *t)
      */
     if (!t->rt) {
         ngx_loom_offload_discard(t);
+
+    } else {
+        ngx_loom_offload_overdue(t);
     }
 }
 
@@ -2157,6 +2392,9 @@ ngx_loom_offload_ffi_cancel(loom_offload_task_t *t)
 
     if (!t->rt) {
         ngx_loom_offload_discard(t);
+
+    } else {
+        ngx_loom_offload_overdue(t);
     }
 
     return 0;
@@ -2192,7 +2430,8 @@ ngx_loom_offload_ffi_stats(loom_offload_queue_t *q,
     st->state = q->state;
     st->threads = q->threads;
     st->queued = (double) ngx_loom_load(&q->npending);
-    st->running = (double) (ngx_loom_load(&q->taken) - q->answered);
+    st->running = (double) (ngx_loom_load(&q->taken) - q->answered
+                            - q->reclaimed_held);
     st->submitted = (double) q->submitted;
     st->completed = (double) q->completed;
     st->errors = (double) q->errors;
@@ -2207,6 +2446,8 @@ ngx_loom_offload_ffi_stats(loom_offload_queue_t *q,
     st->polled = (double) q->polled;
     st->polled_hits = (double) q->polled_hits;
     st->peak_queued = (double) q->peak_queued;
+    st->reclaimed = (double) q->reclaimed;
+    st->misused = (double) __atomic_load_n(&q->misused, __ATOMIC_RELAXED);
 
     pct[0] = &st->p50;
     pct[1] = &st->p90;

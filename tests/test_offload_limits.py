@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from test_offload_core import LIB, rss_kb, start, stats
+from test_offload_core import LIB, ROOT, call, rss_kb, start, stats
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -106,3 +106,109 @@ def test_50000_in_flight_then_queue_full(nginx):
     assert out == {"ok": 50000, "bad": 0, "errors": {"queue full": 100}}
     assert stats(n)["rejected"] == 100
     assert n.worker_pids() == [pid]
+
+
+MISUSE = os.path.join(ROOT, "runtimes", "c", "libloom_offload_misuse.so")
+NOT_HELD = r"\[error\].*answer\(\) for a task the runtime does not hold"
+
+
+def test_answer_twice(nginx):
+    n = start(nginx, lib=MISUSE, workers=1)
+    n.allow_log(NOT_HELD)
+    pid = n.worker_pids()
+    for i in range(3):
+        assert call(n, "twice").body == b"first"
+    n.wait_log(NOT_HELD, count=3)
+    assert call(n, "rc").body == b"-1"
+    # a task that was never taken, at an address the host never gave out
+    assert call(n, "ghost").body == b"ghosted"
+    n.wait_log(NOT_HELD, count=4)
+    assert call(n, "rc").body == b"-1"
+    assert call(n, "echo after").body == b"echo after"
+    s = stats(n)
+    assert (s["completed"], s["errors"], s["misused"], s["running"]) \
+        == (7, 0, 4, 0), s
+    assert n.worker_pids() == pid
+    assert "signal" not in n.error_log()
+
+
+def test_answer_null_data(nginx):
+    n = start(nginx, lib=MISUSE, workers=1)
+    n.allow_log(r"\[error\].*answer\(\) with NULL data and length 16")
+    r = call(n, "nulldata")
+    assert (r.status, r.body) == (
+        502, b"runtime error: invalid answer: NULL data with a length")
+    n.wait_log(r"misuse.so: answer\(\) with NULL data and length 16: "
+               r"the call fails")
+    assert call(n, "rc").body == b"-1"
+    s = stats(n)
+    assert (s["completed"], s["errors"], s["misused"]) == (1, 1, 1), s
+
+
+def test_never_answered_is_reclaimed(nginx):
+    n = start(nginx, lib=MISUSE, workers=1, reclaim=0.5)
+    lost = r"\[error\].*misuse.so: a task was not answered within 500 ms"
+    n.allow_log(lost)
+    r = call(n, "never", t=0.2)
+    assert (r.status, r.body) == (502, b"timeout")
+    s = stats(n)
+    assert (s["running"], s["reclaimed"], s["timeouts"]) == (1, 0, 1), s
+    n.wait_log(lost)
+    s = stats(n)
+    assert (s["running"], s["reclaimed"], s["in_flight"]) == (0, 1, 0), s
+    # the runtime's thread is free for other calls meanwhile
+    assert call(n, "echo on").body == b"echo on"
+    assert len(n.wait_log(lost)) == 1
+
+
+BAD_OPTS = """
+location /badopts {
+    content_by_lua_block {
+        local offload = require "resty.loom.offload"
+        local lib = %s
+        local nan, inf = 0/0, math.huge
+        local cases = {
+            { thraeds = 2 }, { threads = nan }, { threads = inf },
+            { threads = 0 }, { threads = 1.5 }, { threads = 1e9 },
+            { queue = -1 }, { queue = nan }, { queue = 1e300 },
+            { timeout = 0 }, { timeout = nan }, { timeout = -inf },
+            { timeout = 1e12 }, { grace = nan }, { grace = -1 },
+            { grace = inf }, { spin_us = nan }, { poll_us = -inf },
+            { reclaim = 0 }, { reclaim = nan }, { reclaim = inf },
+            { timeout = "5" }, { global = 1 },
+        }
+        for _, opts in ipairs(cases) do
+            local ok, err = pcall(offload.load, lib, "bad", opts)
+            ngx.say(ok and "accepted" or err)
+        end
+        -- nothing was created by the refused calls
+        ngx.say(#offload.worker_stats())
+        local rt = require("offload_t").rt.main
+        for _, t in ipairs({ nan, inf, -1, 0, "1" }) do
+            local ok, err = pcall(rt.call, rt, "echo x", { timeout = t })
+            ngx.say(ok and "accepted" or err)
+        end
+        local ok, err = pcall(rt.call, rt, "echo x", { into = {} })
+        ngx.say(ok and "accepted" or err)
+        for _, t in ipairs({ nan, -inf, inf }) do
+            local ok, err = pcall(rt.wait_ready, rt, t)
+            ngx.say(ok and "accepted" or err)
+        end
+        ngx.say(rt:stats().submitted)
+    }
+}
+"""
+
+
+def test_bad_options_refused_before_anything_changes(nginx):
+    n = start(nginx, workers=1, server=BAD_OPTS % ('"%s"' % LIB))
+    lines = n.get("/badopts").text.splitlines()
+    assert "accepted" not in lines, lines
+    assert lines[0] == "opts.thraeds: unknown option"
+    for line in lines[1:23]:
+        assert line.startswith("opts.") and " must be " in line, lines
+    assert lines[23] == "1"           # only the runtime loaded at start
+    assert all("opts.timeout must be a number > 0" in x for x in lines[24:29])
+    assert lines[29] == "opts.into must be a string.buffer"
+    assert all("timeout must be a number from 0" in x for x in lines[30:33])
+    assert lines[33] == "0"           # no call was submitted
