@@ -20,12 +20,18 @@ class TestPython(RuntimeSuite):
                 r"Traceback \(most recent call last\):\n"
                 r".*loom_example\.py\", line \d+, in handle\n"
                 r".*\nValueError: boom$")
+    PANIC_LOG_RE = (r"\[error\].*\[loom\.offload\] \S+rt_python\.so: "
+                    r"python handler loom_example\.handle raised ValueError: "
+                    r"(boom|again)")
+    PANIC_LOG_MORE = (r"\nTraceback \(most recent call last\):\n"
+                      r".*loom_example\.py\", line \d+, in handle\n")
     SOAK = SOAK_CALLS
     ECHO_CONFIG = "path=%s module=loom_example function=echo" % EXAMPLES
 
     def test_returned_error(self, nginx):
         # the handler must return bytes-like data (or str, or None)
         n = self.start(nginx)
+        n.allow_log(r"python handler loom_example\.handle raised TypeError")
         status, body = self.call(n, "int:5")
         assert status == 500
         assert body.startswith(b"ERR runtime error: TypeError: handler "

@@ -64,6 +64,7 @@ typedef struct {
     const loom_offload_host_t  *host;
     loom_offload_queue_t       *queue;
     PyObject                   *func;
+    char                        name[128];   /* module.function */
     pthread_t                  *threads;
     unsigned int                nthreads;
     int                         worker;
@@ -81,6 +82,8 @@ static void loom_py_block_signals(void);
 static void *loom_py_thread(void *arg);
 static void loom_py_serve(loom_py_rt_t *rt, loom_offload_task_t *task);
 static PyObject *loom_py_format_exception(void);
+static void loom_py_log_exception(loom_py_rt_t *rt, const char *exc,
+    size_t len);
 static char *loom_py_config_get(const char *cfg, const char *key);
 static void loom_py_set_err(loom_offload_init_t *init, const char *fmt,
     const char *arg);
@@ -459,6 +462,9 @@ loom_offload_init(loom_offload_init_t *init)
     rt->func = func;
     func = NULL;
     loom_py_rt = NULL;
+
+    snprintf(rt->name, sizeof(rt->name), "%s.%s", module,
+             function ? function : "handle");
     PyGILState_Release(gil);
 
     rt->threads = calloc(rt->nthreads, sizeof(pthread_t));
@@ -595,6 +601,25 @@ loom_py_format_exception(void)
 }
 
 
+static void
+loom_py_log_exception(loom_py_rt_t *rt, const char *exc, size_t len)
+{
+    int    n;
+    char  *msg;
+
+    msg = malloc(sizeof(rt->name) + len + 32);
+    if (msg == NULL) {
+        return;
+    }
+
+    n = sprintf(msg, "python handler %s raised %.*s", rt->name, (int) len,
+                exc);
+
+    rt->host->log(rt->queue, LOOM_OFFLOAD_LOG_ERR, msg, (size_t) n);
+    free(msg);
+}
+
+
 /* one call; the GIL is held */
 static void
 loom_py_serve(loom_py_rt_t *rt, loom_offload_task_t *task)
@@ -670,6 +695,9 @@ error:
         data = "python exception";
         n = (Py_ssize_t) strlen(data);
     }
+
+    /* a bug, not an answer: the log gets it too, with the traceback */
+    loom_py_log_exception(rt, data, (size_t) n);
 
     rt->host->answer(task, LOOM_OFFLOAD_ERROR, data, (size_t) n);
     Py_XDECREF(exc);

@@ -280,11 +280,16 @@ func (in *instance) serve(index int) {
 					int(next.len))
 			}
 			call.task = next.task
-			resp, errMsg, ok := safeHandle(in.handler, call)
+			resp, errMsg, ok, panicked := safeHandle(in.handler, call)
 			call.task, call.payload = nil, nil
 			done, status, rsp = next.task, C.LOOM_OFFLOAD_OK, resp
 			if !ok {
 				status, rsp = C.LOOM_OFFLOAD_ERROR, []byte(errMsg)
+			}
+			if panicked {
+				// a bug, not an answer: the log says so, once per panic
+				in.log(C.LOOM_OFFLOAD_LOG_ERR, fmt.Sprintf("go handler %T %s",
+					in.handler, errMsg))
 			}
 		}
 		if now := int64(next.now_ms); now-last >= reschedEveryMs {
