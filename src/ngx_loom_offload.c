@@ -48,6 +48,7 @@
 #include <sched.h>
 #include <signal.h>
 #include <sys/eventfd.h>
+#include <sys/wait.h>
 #include <loom_offload.h>
 
 
@@ -339,6 +340,9 @@ static void ngx_loom_offload_unpend(loom_offload_task_t *t);
 static void ngx_loom_offload_request_cleanup(void *data);
 static void ngx_loom_offload_discard(loom_offload_task_t *t);
 static void ngx_loom_offload_held_init(void);
+static void ngx_loom_offload_sigchld_wrap(void);
+static void ngx_loom_offload_sigchld(int signo, siginfo_t *info, void *uc);
+static ngx_uint_t ngx_loom_offload_main_zombie(void);
 static ngx_loom_offload_held_t *ngx_loom_offload_held_stripe(
     loom_offload_task_t *t);
 static loom_offload_task_t **ngx_loom_offload_held_find(
@@ -430,6 +434,9 @@ static ngx_loom_offload_worker_t  ngx_loom_offload_w = {
 
 static ngx_loom_offload_held_t  ngx_loom_offload_held[LOOM_HELD_STRIPES];
 static pthread_once_t  ngx_loom_offload_held_once = PTHREAD_ONCE_INIT;
+
+static struct sigaction  ngx_loom_offload_sigchld_prev;
+static char              ngx_loom_offload_children[64];
 
 static pthread_mutex_t  ngx_loom_offload_exit_mtx = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t   ngx_loom_offload_exit_cond = PTHREAD_COND_INITIALIZER;
@@ -1004,8 +1011,137 @@ ngx_loom_offload_worker_init(u_char *err, size_t *errlen)
     w->exiting = ngx_exiting;
     w->inited = 1;
 
+    ngx_loom_offload_sigchld_wrap();
+
     return NGX_OK;
 }
+
+
+/*
+ * {{{ SIGCHLD
+ *
+ * nginx's SIGCHLD handler reaps every child of the worker (waitpid(-1)),
+ * and so took the exit status of commands a runtime thread had started
+ * and was waiting for: Python's subprocess then reported success (its
+ * waitpid() failed with ECHILD), Go's os/exec "no child processes". The
+ * kernel keeps a child under the thread that created it
+ * (/proc/<pid>/task/<tid>/children): in a worker, children of the main
+ * thread (os.execute, io.popen, ngx.pipe) are nginx's business, the
+ * others belong to the runtime thread that made them and its waitpid().
+ * So nginx's handler runs only when a child of the main thread has
+ * exited (it then reaps every zombie, as before), and is left out for
+ * children of runtime threads. Only async-signal-safe calls are made.
+ */
+
+static void
+ngx_loom_offload_sigchld_wrap(void)
+{
+    struct sigaction  sa;
+
+    if (ngx_process != NGX_PROCESS_WORKER
+        || sigaction(SIGCHLD, NULL, &ngx_loom_offload_sigchld_prev) != 0
+        || (!(ngx_loom_offload_sigchld_prev.sa_flags & SA_SIGINFO)
+            && (ngx_loom_offload_sigchld_prev.sa_handler == SIG_DFL
+                || ngx_loom_offload_sigchld_prev.sa_handler == SIG_IGN)))
+    {
+        return;
+    }
+
+    (void) ngx_sprintf((u_char *) ngx_loom_offload_children,
+                       "/proc/%P/task/%P/children%Z", ngx_pid, ngx_pid);
+
+    sa = ngx_loom_offload_sigchld_prev;
+    sa.sa_sigaction = ngx_loom_offload_sigchld;
+    sa.sa_flags |= SA_SIGINFO;
+
+    if (sigaction(SIGCHLD, &sa, NULL) != 0) {
+        ngx_log_error(NGX_LOG_ALERT, ngx_cycle->log, ngx_errno,
+                      "[loom.offload] sigaction(SIGCHLD) failed");
+    }
+}
+
+
+static void
+ngx_loom_offload_sigchld(int signo, siginfo_t *info, void *uc)
+{
+    int                      err;
+    const struct sigaction  *prev;
+
+    err = errno;
+    prev = &ngx_loom_offload_sigchld_prev;
+
+    if (ngx_loom_offload_main_zombie()) {
+        if (prev->sa_flags & SA_SIGINFO) {
+            prev->sa_sigaction(signo, info, uc);
+
+        } else {
+            prev->sa_handler(signo);
+        }
+    }
+
+    errno = err;
+}
+
+
+/* a child of the worker's main thread has exited (or that is unknown) */
+static ngx_uint_t
+ngx_loom_offload_main_zombie(void)
+{
+    int        fd;
+    char       buf[256], *p;
+    pid_t      pid;
+    ssize_t    n;
+    siginfo_t  si;
+
+    fd = open(ngx_loom_offload_children, O_RDONLY | O_CLOEXEC);
+    if (fd == -1) {
+        return 1;
+    }
+
+    pid = 0;
+
+    for ( ;; ) {
+        n = read(fd, buf, sizeof(buf));
+
+        if (n < 0 && errno == EINTR) {
+            continue;
+        }
+
+        /* a space follows every pid, the last one too */
+        for (p = buf; n > 0 && p < buf + n; p++) {
+            if (*p >= '0' && *p <= '9') {
+                pid = pid * 10 + (*p - '0');
+                continue;
+            }
+
+            if (pid == 0) {
+                continue;
+            }
+
+            si.si_pid = 0;
+
+            if (waitid(P_PID, (id_t) pid, &si,
+                       WEXITED | WNOHANG | WNOWAIT) == 0
+                && si.si_pid == pid)
+            {
+                close(fd);
+                return 1;
+            }
+
+            pid = 0;
+        }
+
+        if (n <= 0) {
+            break;
+        }
+    }
+
+    close(fd);
+
+    return n < 0;
+}
+
+/* }}} */
 
 
 static void

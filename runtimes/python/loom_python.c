@@ -178,6 +178,47 @@ loom_py_module_init(void)
 }
 
 
+/*
+ * subprocess takes ECHILD from waitpid() to mean "exited, status
+ * unknown" and reports returncode 0: a failed command looks like a
+ * success. The host leaves the children of runtime threads to them (see
+ * the SIGCHLD notes in src/ngx_loom_offload.c), but whatever else reaps
+ * one (a module's waitpid(-1) running at the same moment) must not turn
+ * into a false success: the call raises ChildProcessError instead.
+ */
+static const char  loom_py_subprocess_patch[] =
+    "def _loom_patch():\n"
+    "    import errno, os, subprocess\n"
+    "    def lost(pid):\n"
+    "        return ChildProcessError(errno.ECHILD, 'exit status of process'\n"
+    "            ' %d lost: something else in the nginx worker reaped it'\n"
+    "            % pid)\n"
+    "    def try_wait(self, flags):\n"
+    "        try:\n"
+    "            return os.waitpid(self.pid, flags)\n"
+    "        except ChildProcessError:\n"
+    "            raise lost(self.pid) from None\n"
+    "    class Lost(subprocess.SubprocessError):\n"
+    "        pass\n"
+    "    def waitpid(pid, flags):\n"
+    "        try:\n"
+    "            return os.waitpid(pid, flags)\n"
+    "        except ChildProcessError:\n"
+    "            raise Lost(lost(pid)) from None\n"
+    "    poll = subprocess.Popen._internal_poll\n"
+    "    def internal_poll(self, _deadstate=None):\n"
+    "        if _deadstate is not None:\n"
+    "            return poll(self, _deadstate)\n"
+    "        try:\n"
+    "            return poll(self, None, _waitpid=waitpid)\n"
+    "        except Lost as e:\n"
+    "            raise e.args[0] from None\n"
+    "    subprocess.Popen._try_wait = try_wait\n"
+    "    subprocess.Popen._internal_poll = internal_poll\n"
+    "_loom_patch()\n"
+    "del _loom_patch\n";
+
+
 /* start-up */
 
 static int
@@ -245,6 +286,10 @@ loom_py_start_interpreter(const char *home, char *err, size_t err_size)
     }
 
     PyErr_Clear();
+
+    if (PyRun_SimpleString(loom_py_subprocess_patch) != 0) {
+        PyErr_Clear();
+    }
 
     (void) PyEval_SaveThread();
 
