@@ -38,6 +38,8 @@ LOCATIONS = """
         require("offload_rt_common").burst() } }
     location /soak { content_by_lua_block {
         require("offload_rt_common").soak() } }
+    location /bulk { content_by_lua_block {
+        require("offload_rt_common").bulk() } }
     location /stats { content_by_lua_block {
         require("offload_rt_common").stats() } }
     location /state { content_by_lua_block {
@@ -285,6 +287,28 @@ class RuntimeSuite:
         stats = n.get("/stats?rt=%s" % self.NAME).json()
         assert stats["completed"] >= self.SOAK
         assert after - before < 2048, (before, after)
+
+    def test_large_payloads_give_memory_back(self, nginx):
+        # 64 MiB payloads and answers, two calls at a time: once they are
+        # done the worker's RSS comes back near where it was (a Go worker
+        # kept 137 MB)
+        n = self.start(nginx, threads=2)
+        pid = n.worker_pids()[0]
+        assert self.get(n, "/bulk?mib=1&n=2") == "ok=8 bad=0\n"  # warm up
+        before = rss_kb(pid)
+        assert self.get(n, "/bulk?mib=64&n=2",
+                        timeout=120) == "ok=8 bad=0\n"
+        peak = rss_kb(pid)
+        deadline = time.time() + 5
+        after = peak
+        while time.time() < deadline:
+            time.sleep(0.25)
+            after = rss_kb(pid)
+            if after - before < 32 * 1024:
+                break
+        print("%s: worker RSS %d kB before 64 MiB calls, %d kB right "
+              "after, %d kB within 5 s" % (self.NAME, before, peak, after))
+        assert after - before < 32 * 1024, (before, peak, after)
 
     # -- signals ------------------------------------------------------------
 
