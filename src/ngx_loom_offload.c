@@ -481,10 +481,10 @@ static int
 ngx_loom_offload_wait(loom_offload_queue_t *q, int timeout_ms,
     loom_offload_task_t **task)
 {
-    int                    rc, slept;
-    uint64_t               deadline, now, spin;
-    ngx_uint_t             n;
-    ngx_queue_t           *x;
+    int                       rc, slept;
+    uint64_t                  deadline, now, spin;
+    ngx_uint_t                n;
+    ngx_queue_t              *x;
     struct timespec           ts;
     loom_offload_task_t      *t;
     loom_offload_queue_t     *prev;
