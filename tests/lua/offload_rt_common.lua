@@ -185,12 +185,14 @@ function _M.bulk()
     local rt = get(args.rt)
     local size = (tonumber(args.mib) or 64) * 1024 * 1024
     local n = tonumber(args.n) or 2
-    local payload = "echo:" .. string.rep("x", size)
-    local a = spawn(bulk_thread, rt, n, size, payload)
-    local b = spawn(bulk_thread, rt, n, size, payload)
+    local a, b
+    do
+        local payload = "echo:" .. string.rep("x", size)
+        a = spawn(bulk_thread, rt, n, size, payload)
+        b = spawn(bulk_thread, rt, n, size, payload)
+    end
     local _, ok1, bad1 = wait(a)
     local _, ok2, bad2 = wait(b)
-    payload = nil
     collectgarbage()
     collectgarbage()
     ngx_say("ok=", ok1 + ok2, " bad=", bad1 + bad2)
