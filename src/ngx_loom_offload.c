@@ -748,7 +748,7 @@ ngx_loom_offload_answer(loom_offload_task_t *t, int status,
     pthread_mutex_lock(&h->mtx);
 
     pt = ngx_loom_offload_held_find(h, t);
-    if (pt) {
+    if (pt != NULL) {
         *pt = t->held_next;
     }
 
@@ -767,7 +767,7 @@ ngx_loom_offload_answer(loom_offload_task_t *t, int status,
                       "does not hold (answered twice, or never taken): "
                       "ignored", q ? q->path : "a runtime");
 
-        if (q) {
+        if (q != NULL) {
             (void) __atomic_fetch_add(&q->misused, 1, __ATOMIC_RELAXED);
         }
 
