@@ -43,10 +43,12 @@
 #include <ngx_event.h>
 #include <ngx_http.h>
 #include <dlfcn.h>
+#include <malloc.h>
 #include <pthread.h>
 #include <sched.h>
 #include <signal.h>
 #include <sys/eventfd.h>
+#include <sys/wait.h>
 #include <loom_offload.h>
 
 
@@ -102,6 +104,25 @@
  */
 #define LOOM_SPIN_PAYS_NS            10000
 
+/*
+ * after a burst of at least this many tasks alive at once, the worker
+ * gives the freed heap back to the system LOOM_TRIM_DELAY ms after 7/8 of
+ * them are gone (later, so that the requests that made the calls are
+ * freed too): malloc keeps it otherwise, 50,000 calls in flight left
+ * ~50 MB
+ */
+#define LOOM_TRIM_TASKS              4096
+#define LOOM_TRIM_DELAY              1000
+
+/*
+ * tasks runtime threads hold (taken, not answered), by address: answer()
+ * checks a task against them before it touches it, so that a second
+ * answer, or an answer for something never taken, is refused and logged
+ * instead of corrupting the worker. Striped to keep answers from
+ * different threads apart
+ */
+#define LOOM_HELD_STRIPES            64
+
 /* at most this many calls skip the poll after polls that missed */
 #define LOOM_POLL_BACKOFF_MAX        256
 
@@ -119,6 +140,9 @@ typedef struct {
 struct loom_offload_task_s {
     ngx_queue_t                  pending;      /* queue mutex */
     loom_offload_task_t         *next;         /* completion / garbage */
+    loom_offload_task_t         *held_next;    /* its held stripe's lock */
+    ngx_queue_t                  overdue;      /* main thread */
+    ngx_msec_t                   overdue_at;   /* main thread */
     ngx_queue_t                  live;         /* main thread */
     ngx_queue_t                  rlink;        /* main thread */
     loom_offload_queue_t        *queue;
@@ -150,6 +174,8 @@ struct loom_offload_task_s {
     unsigned                     kick:1;       /* needs a sleeper woken */
     unsigned                     woke:1;       /* woke a sleeper at once */
     unsigned                     poll:1;       /* the loop may poll */
+    unsigned                     in_overdue:1;
+    unsigned                     reclaimed:1;  /* held stripe's lock */
 
     size_t                       req_len;
     size_t                       cap;
@@ -193,6 +219,9 @@ struct loom_offload_queue_s {
     size_t                       config_len;
     unsigned                     threads;
     ngx_msec_t                   grace;
+    ngx_msec_t                   reclaim;
+    ngx_queue_t                  overdue;      /* given up, still held */
+    ngx_event_t                  reclaim_ev;
     int                          global;
     ngx_event_t                  grace_ev;
     ngx_event_t                  kick_ev;      /* posted: wake sleepers */
@@ -218,6 +247,9 @@ struct loom_offload_queue_s {
     uint64_t                     closed_calls;
     uint64_t                     aborted;
     uint64_t                     late;
+    uint64_t                     reclaimed;
+    uint64_t                     reclaimed_held;
+    uint64_t                     misused;
     uint64_t                     lat_n;
     uint64_t                     lat_sum;
     uint64_t                     lat_max;
@@ -250,6 +282,8 @@ typedef struct {
     double                       polled;
     double                       polled_hits;
     double                       peak_queued;
+    double                       reclaimed;
+    double                       misused;
 } ngx_loom_offload_stats_t;
 
 
@@ -267,16 +301,26 @@ typedef struct {
     ngx_queue_t                  queues;
     loom_offload_task_t         *garbage;
     ngx_event_t                  gc_event;
+    ngx_uint_t                   tasks;        /* alive */
+    ngx_uint_t                   tasks_peak;   /* since the last trim */
+    ngx_event_t                  trim_ev;
     ngx_loom_sema_new_pt         sema_new;
     ngx_loom_sema_post_pt        sema_post;
     ngx_loom_sema_gc_pt          sema_gc;
 } ngx_loom_offload_worker_t;
 
 
+typedef struct {
+    pthread_mutex_t              mtx;
+    loom_offload_task_t         *tasks;
+} ngx_loom_offload_held_t;
+
+
 static void ngx_loom_offload_exit_process(ngx_cycle_t *cycle);
 static ngx_int_t ngx_loom_offload_worker_init(u_char *err, size_t *errlen);
 static void ngx_loom_offload_read_handler(ngx_event_t *rev);
 static void ngx_loom_offload_gc_handler(ngx_event_t *ev);
+static void ngx_loom_offload_trim_handler(ngx_event_t *ev);
 static void ngx_loom_offload_grace_handler(ngx_event_t *ev);
 static void ngx_loom_offload_kick_handler(ngx_event_t *ev);
 static ngx_uint_t ngx_loom_offload_may_poll(loom_offload_queue_t *q,
@@ -294,6 +338,17 @@ static void ngx_loom_offload_resolve(loom_offload_task_t *t, int result);
 static void ngx_loom_offload_task_free(loom_offload_task_t *t);
 static void ngx_loom_offload_unpend(loom_offload_task_t *t);
 static void ngx_loom_offload_request_cleanup(void *data);
+static void ngx_loom_offload_discard(loom_offload_task_t *t);
+static void ngx_loom_offload_held_init(void);
+static void ngx_loom_offload_sigchld_wrap(void);
+static void ngx_loom_offload_sigchld(int signo, siginfo_t *info, void *uc);
+static ngx_uint_t ngx_loom_offload_main_zombie(void);
+static ngx_loom_offload_held_t *ngx_loom_offload_held_stripe(
+    loom_offload_task_t *t);
+static loom_offload_task_t **ngx_loom_offload_held_find(
+    ngx_loom_offload_held_t *h, loom_offload_task_t *t);
+static void ngx_loom_offload_overdue(loom_offload_task_t *t);
+static void ngx_loom_offload_reclaim_handler(ngx_event_t *ev);
 static void ngx_loom_offload_publish(loom_offload_task_t *t);
 static void *ngx_loom_offload_start_thread(void *data);
 static void *ngx_loom_offload_shutdown_thread(void *data);
@@ -316,8 +371,8 @@ static void ngx_loom_offload_log(loom_offload_queue_t *q, int level,
 /* FFI entry points */
 int ngx_loom_offload_ffi_load(const char *path, const char *config,
     size_t config_len, int threads, int bound, int grace_ms, int spin_us,
-    int poll_us, int global, loom_offload_queue_t **out, u_char *err,
-    size_t *errlen);
+    int poll_us, int reclaim_ms, int global, loom_offload_queue_t **out,
+    u_char *err, size_t *errlen);
 int ngx_loom_offload_ffi_poll(loom_offload_task_t *t);
 int ngx_loom_offload_ffi_submit(ngx_http_request_t *r,
     loom_offload_queue_t *q, const u_char *data, size_t len,
@@ -374,8 +429,14 @@ static const loom_offload_host_t  ngx_loom_offload_host = {
 static ngx_loom_offload_worker_t  ngx_loom_offload_w = {
     PTHREAD_MUTEX_INITIALIZER, NULL, -1,
     0, 0, 0, 0, NULL, { NULL, NULL }, NULL,
-    { 0 }, NULL, NULL, NULL
+    { 0 }, 0, 0, { 0 }, NULL, NULL, NULL
 };
+
+static ngx_loom_offload_held_t  ngx_loom_offload_held[LOOM_HELD_STRIPES];
+static pthread_once_t  ngx_loom_offload_held_once = PTHREAD_ONCE_INIT;
+
+static struct sigaction  ngx_loom_offload_sigchld_prev;
+static char              ngx_loom_offload_children[64];
 
 static pthread_mutex_t  ngx_loom_offload_exit_mtx = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t   ngx_loom_offload_exit_cond = PTHREAD_COND_INITIALIZER;
@@ -420,13 +481,14 @@ static int
 ngx_loom_offload_wait(loom_offload_queue_t *q, int timeout_ms,
     loom_offload_task_t **task)
 {
-    int                    rc, slept;
-    uint64_t               deadline, now, spin;
-    ngx_uint_t             n;
-    ngx_queue_t           *x;
-    struct timespec        ts;
-    loom_offload_task_t   *t;
-    loom_offload_queue_t  *prev;
+    int                       rc, slept;
+    uint64_t                  deadline, now, spin;
+    ngx_uint_t                n;
+    ngx_queue_t              *x;
+    struct timespec           ts;
+    loom_offload_task_t      *t;
+    loom_offload_queue_t     *prev;
+    ngx_loom_offload_held_t  *h;
 
     *task = NULL;
     slept = 0;
@@ -569,6 +631,12 @@ ngx_loom_offload_wait(loom_offload_queue_t *q, int timeout_ms,
     t = ngx_queue_data(x, loom_offload_task_t, pending);
     t->where = LOOM_WHERE_TAKEN;
 
+    h = ngx_loom_offload_held_stripe(t);
+    pthread_mutex_lock(&h->mtx);
+    t->held_next = h->tasks;
+    h->tasks = t;
+    pthread_mutex_unlock(&h->mtx);
+
     ngx_loom_store(&q->npending, q->npending - 1);
     ngx_loom_store(&q->taken, q->taken + 1);
 
@@ -669,17 +737,60 @@ static int
 ngx_loom_offload_answer(loom_offload_task_t *t, int status,
     const void *data, size_t len)
 {
-    int      rc;
-    u_char  *p;
+    int                        rc;
+    u_char                    *p;
+    loom_offload_task_t      **pt;
+    loom_offload_queue_t      *q;
+    ngx_loom_offload_held_t   *h;
 
+    h = ngx_loom_offload_held_stripe(t);
+
+    pthread_mutex_lock(&h->mtx);
+
+    pt = ngx_loom_offload_held_find(h, t);
+    if (pt != NULL) {
+        *pt = t->held_next;
+    }
+
+    pthread_mutex_unlock(&h->mtx);
+
+    if (pt == NULL) {
+        /*
+         * not a task this thread's runtime holds: t may be freed, or
+         * another call's by now, so it is not looked at. The queue this
+         * thread took its last task from names the runtime, if any
+         */
+        q = ngx_loom_offload_tls_q;
+
+        ngx_log_error(NGX_LOG_ERR, ngx_cycle->log, 0,
+                      "[loom.offload] %s: answer() for a task the runtime "
+                      "does not hold (answered twice, or never taken): "
+                      "ignored", q ? q->path : "a runtime");
+
+        if (q != NULL) {
+            (void) __atomic_fetch_add(&q->misused, 1, __ATOMIC_RELAXED);
+        }
+
+        return -1;
+    }
+
+    q = t->queue;
     rc = 0;
 
     if (status != LOOM_OFFLOAD_OK) {
         status = LOOM_OFFLOAD_ERROR;
     }
 
-    if (data == NULL) {
-        len = 0;
+    if (data == NULL && len) {
+        ngx_log_error(NGX_LOG_ERR, ngx_cycle->log, 0,
+                      "[loom.offload] %s: answer() with NULL data and "
+                      "length %uz: the call fails", q->path, len);
+
+        data = "invalid answer: NULL data with a length";
+        len = sizeof("invalid answer: NULL data with a length") - 1;
+        status = LOOM_OFFLOAD_ERROR;
+        rc = -1;
+        (void) __atomic_fetch_add(&q->misused, 1, __ATOMIC_RELAXED);
     }
 
     if (ngx_loom_load(&t->cancelled)) {
@@ -813,6 +924,9 @@ ngx_loom_offload_worker_init(u_char *err, size_t *errlen)
         return NGX_OK;
     }
 
+    (void) pthread_once(&ngx_loom_offload_held_once,
+                        ngx_loom_offload_held_init);
+
     w->sema_new = (ngx_loom_sema_new_pt)
                   dlsym(RTLD_DEFAULT, "ngx_http_lua_ffi_sema_new");
     w->sema_post = (ngx_loom_sema_post_pt)
@@ -889,11 +1003,145 @@ ngx_loom_offload_worker_init(u_char *err, size_t *errlen)
     w->gc_event.log = ngx_cycle->log;
     w->gc_event.data = w;
 
+    w->trim_ev.handler = ngx_loom_offload_trim_handler;
+    w->trim_ev.log = ngx_cycle->log;
+    w->trim_ev.data = w;
+    w->trim_ev.cancelable = 1;
+
     w->exiting = ngx_exiting;
     w->inited = 1;
 
+    ngx_loom_offload_sigchld_wrap();
+
     return NGX_OK;
 }
+
+
+/*
+ * {{{ SIGCHLD
+ *
+ * nginx's SIGCHLD handler reaps every child of the worker (waitpid(-1)),
+ * and so took the exit status of commands a runtime thread had started
+ * and was waiting for: Python's subprocess then reported success (its
+ * waitpid() failed with ECHILD), Go's os/exec "no child processes". The
+ * kernel keeps a child under the thread that created it
+ * (/proc/<pid>/task/<tid>/children): in a worker, children of the main
+ * thread (os.execute, io.popen, ngx.pipe) are nginx's business, the
+ * others belong to the runtime thread that made them and its waitpid().
+ * So nginx's handler runs only when a child of the main thread has
+ * exited (it then reaps every zombie, as before), and is left out for
+ * children of runtime threads. Only async-signal-safe calls are made.
+ */
+
+static void
+ngx_loom_offload_sigchld_wrap(void)
+{
+    struct sigaction  sa;
+
+    if (ngx_process != NGX_PROCESS_WORKER
+        || sigaction(SIGCHLD, NULL, &ngx_loom_offload_sigchld_prev) != 0
+        || (!(ngx_loom_offload_sigchld_prev.sa_flags & SA_SIGINFO)
+            && (ngx_loom_offload_sigchld_prev.sa_handler == SIG_DFL
+                || ngx_loom_offload_sigchld_prev.sa_handler == SIG_IGN)))
+    {
+        return;
+    }
+
+    (void) ngx_sprintf((u_char *) ngx_loom_offload_children,
+                       "/proc/%P/task/%P/children%Z", ngx_pid, ngx_pid);
+
+    sa = ngx_loom_offload_sigchld_prev;
+    sa.sa_sigaction = ngx_loom_offload_sigchld;
+    sa.sa_flags |= SA_SIGINFO;
+
+    if (sigaction(SIGCHLD, &sa, NULL) != 0) {
+        ngx_log_error(NGX_LOG_ALERT, ngx_cycle->log, ngx_errno,
+                      "[loom.offload] sigaction(SIGCHLD) failed");
+    }
+}
+
+
+static void
+ngx_loom_offload_sigchld(int signo, siginfo_t *info, void *uc)
+{
+    int                      err;
+    const struct sigaction  *prev;
+
+    err = errno;
+    prev = &ngx_loom_offload_sigchld_prev;
+
+    if (ngx_loom_offload_main_zombie()) {
+        if (prev->sa_flags & SA_SIGINFO) {
+            prev->sa_sigaction(signo, info, uc);
+
+        } else {
+            prev->sa_handler(signo);
+        }
+    }
+
+    errno = err;
+}
+
+
+/* a child of the worker's main thread has exited (or that is unknown) */
+static ngx_uint_t
+ngx_loom_offload_main_zombie(void)
+{
+    int        fd;
+    char       buf[256], *p;
+    pid_t      pid;
+    ssize_t    n;
+    siginfo_t  si;
+
+    fd = open(ngx_loom_offload_children, O_RDONLY | O_CLOEXEC);
+    if (fd == -1) {
+        return 1;
+    }
+
+    pid = 0;
+
+    for ( ;; ) {
+        n = read(fd, buf, sizeof(buf));
+
+        if (n < 0 && errno == EINTR) {
+            continue;
+        }
+
+        /* a space follows every pid, the last one too */
+        for (p = buf; n > 0 && p < buf + n; p++) {
+            if (*p >= '0' && *p <= '9') {
+                pid = pid * 10 + (*p - '0');
+                continue;
+            }
+
+            if (pid == 0) {
+                continue;
+            }
+
+            si.si_pid = 0;
+
+            if (waitid(P_PID, (id_t) pid, &si,
+                       WEXITED | WNOHANG | WNOWAIT) == 0
+                && si.si_pid == pid)
+            {
+                close(fd);
+                return 1;
+            }
+
+            pid = 0;
+        }
+
+        if (n <= 0) {
+            break;
+        }
+    }
+
+    close(fd);
+
+    return n < 0;
+}
+
+/* }}} */
 
 
 static void
@@ -982,6 +1230,15 @@ ngx_loom_offload_done(loom_offload_task_t *t)
     t->where = LOOM_WHERE_NONE;
     t->rt = 0;
     q->answered++;
+
+    if (t->in_overdue) {
+        ngx_queue_remove(&t->overdue);
+        t->in_overdue = 0;
+    }
+
+    if (t->reclaimed) {
+        q->reclaimed_held--;
+    }
 
     /*
      * what the event loop would have had to poll for: how long a thread
@@ -1082,7 +1339,15 @@ ngx_loom_offload_resolve(loom_offload_task_t *t, int result)
 static void
 ngx_loom_offload_task_free(loom_offload_task_t *t)
 {
+    ngx_loom_offload_worker_t  *w;
+
+    w = &ngx_loom_offload_w;
+
     ngx_queue_remove(&t->live);
+
+    if (t->in_overdue) {
+        ngx_queue_remove(&t->overdue);
+    }
 
     if (t->in_request) {
         ngx_queue_remove(&t->rlink);
@@ -1097,6 +1362,26 @@ ngx_loom_offload_task_free(loom_offload_task_t *t)
     }
 
     free(t);
+
+    w->tasks--;
+
+    if (w->tasks_peak >= LOOM_TRIM_TASKS && w->tasks <= w->tasks_peak / 8
+        && !w->trim_ev.timer_set && !w->exiting)
+    {
+        ngx_add_timer(&w->trim_ev, LOOM_TRIM_DELAY);
+    }
+}
+
+
+static void
+ngx_loom_offload_trim_handler(ngx_event_t *ev)
+{
+    ngx_loom_offload_worker_t  *w;
+
+    w = ev->data;
+
+    (void) malloc_trim(0);
+    w->tasks_peak = w->tasks;
 }
 
 
@@ -1130,11 +1415,8 @@ ngx_loom_offload_request_cleanup(void *data)
 {
     ngx_loom_offload_rctx_t  *rctx = data;
 
-    ngx_queue_t                *x;
-    loom_offload_task_t        *t;
-    ngx_loom_offload_worker_t  *w;
-
-    w = &ngx_loom_offload_w;
+    ngx_queue_t          *x;
+    loom_offload_task_t  *t;
 
     while (!ngx_queue_empty(&rctx->tasks)) {
         x = ngx_queue_head(&rctx->tasks);
@@ -1152,18 +1434,153 @@ ngx_loom_offload_request_cleanup(void *data)
         ngx_loom_offload_unpend(t);
 
         if (!t->rt) {
-            t->garbage = 1;
-
             /*
              * the coroutine may still sit in the semaphore's wait queue
-             * until lua-nginx-module's own cleanup runs: free later
+             * until lua-nginx-module's own cleanup runs
              */
-            t->next = w->garbage;
-            w->garbage = t;
+            ngx_loom_offload_discard(t);
 
-            if (!w->gc_event.posted) {
-                ngx_post_event(&w->gc_event, &ngx_posted_events);
-            }
+        } else {
+            ngx_loom_offload_overdue(t);
+        }
+    }
+}
+
+
+/*
+ * Frees a task nobody holds any more at the end of this event loop
+ * iteration, not now: a call returns to Lua from inside its semaphore's
+ * event handler, which reads the semaphore again after the coroutine
+ * yields, and lua-nginx-module frees a whole block of semaphores (4,095)
+ * when its last one comes back. Returning the semaphore there crashed
+ * workers with more than two blocks of calls in flight
+ */
+static void
+ngx_loom_offload_discard(loom_offload_task_t *t)
+{
+    ngx_loom_offload_worker_t  *w;
+
+    w = &ngx_loom_offload_w;
+
+    t->garbage = 1;
+    t->next = w->garbage;
+    w->garbage = t;
+
+    if (!w->gc_event.posted) {
+        ngx_post_event(&w->gc_event, &ngx_posted_events);
+    }
+}
+
+
+static void
+ngx_loom_offload_held_init(void)
+{
+    ngx_uint_t  i;
+
+    for (i = 0; i < LOOM_HELD_STRIPES; i++) {
+        (void) pthread_mutex_init(&ngx_loom_offload_held[i].mtx, NULL);
+    }
+}
+
+
+static ngx_loom_offload_held_t *
+ngx_loom_offload_held_stripe(loom_offload_task_t *t)
+{
+    uintptr_t  a;
+
+    a = (uintptr_t) t;
+
+    return &ngx_loom_offload_held[(a >> 6 ^ a >> 12) % LOOM_HELD_STRIPES];
+}
+
+
+/* the link pointing at t in its stripe, or NULL; under the stripe lock */
+static loom_offload_task_t **
+ngx_loom_offload_held_find(ngx_loom_offload_held_t *h,
+    loom_offload_task_t *t)
+{
+    loom_offload_task_t  **pt;
+
+    for (pt = &h->tasks; *pt; pt = &(*pt)->held_next) {
+        if (*pt == t) {
+            return pt;
+        }
+    }
+
+    return NULL;
+}
+
+
+/*
+ * Lua gave up on a task a runtime thread holds: unless answered within
+ * the queue's reclaim time, it is reclaimed (no longer "running", logged)
+ */
+static void
+ngx_loom_offload_overdue(loom_offload_task_t *t)
+{
+    loom_offload_queue_t  *q;
+
+    q = t->queue;
+
+    if (t->in_overdue || q->reclaim == 0) {
+        return;
+    }
+
+    t->in_overdue = 1;
+    t->overdue_at = ngx_current_msec + q->reclaim;
+
+    /* one reclaim time per queue: the list stays in deadline order */
+    ngx_queue_insert_tail(&q->overdue, &t->overdue);
+
+    if (!q->reclaim_ev.timer_set) {
+        ngx_add_timer(&q->reclaim_ev, q->reclaim);
+    }
+}
+
+
+static void
+ngx_loom_offload_reclaim_handler(ngx_event_t *ev)
+{
+    ngx_queue_t               *x;
+    loom_offload_task_t       *t;
+    loom_offload_queue_t      *q;
+    ngx_loom_offload_held_t   *h;
+
+    q = ev->data;
+
+    while (!ngx_queue_empty(&q->overdue)) {
+        x = ngx_queue_head(&q->overdue);
+        t = ngx_queue_data(x, loom_offload_task_t, overdue);
+
+        if ((ngx_msec_int_t) (t->overdue_at - ngx_current_msec) > 0) {
+            ngx_add_timer(ev, t->overdue_at - ngx_current_msec);
+            return;
+        }
+
+        ngx_queue_remove(x);
+        t->in_overdue = 0;
+
+        h = ngx_loom_offload_held_stripe(t);
+
+        pthread_mutex_lock(&h->mtx);
+
+        /* not held any more: answered, on its way to the event loop */
+        if (ngx_loom_offload_held_find(h, t) != NULL) {
+            t->reclaimed = 1;
+        }
+
+        pthread_mutex_unlock(&h->mtx);
+
+        if (t->reclaimed) {
+            q->reclaimed++;
+            q->reclaimed_held++;
+
+            ngx_log_error(NGX_LOG_ERR, ev->log, 0,
+                          "[loom.offload] %s: a task was not answered "
+                          "within %M ms after its call gave up: no longer "
+                          "counted as running (a runtime thread is stuck, "
+                          "or the runtime lost the task)",
+                          q->path, q->reclaim);
         }
     }
 }
@@ -1320,6 +1737,10 @@ ngx_loom_offload_close(loom_offload_queue_t *q)
 
     if (q->wake_ev.timer_set) {
         ngx_del_timer(&q->wake_ev);
+    }
+
+    if (q->reclaim_ev.timer_set) {
+        ngx_del_timer(&q->reclaim_ev);
     }
 
     if (q->kick_ev.posted) {
@@ -1645,8 +2066,8 @@ ngx_loom_offload_hist_value(ngx_uint_t i)
 int
 ngx_loom_offload_ffi_load(const char *path, const char *config,
     size_t config_len, int threads, int bound, int grace_ms, int spin_us,
-    int poll_us, int global, loom_offload_queue_t **out, u_char *err,
-    size_t *errlen)
+    int poll_us, int reclaim_ms, int global, loom_offload_queue_t **out,
+    u_char *err, size_t *errlen)
 {
     size_t                      len;
     pthread_condattr_t          attr;
@@ -1723,10 +2144,12 @@ ngx_loom_offload_ffi_load(const char *path, const char *config,
 
     ngx_queue_init(&q->pending);
     ngx_queue_init(&q->live);
+    ngx_queue_init(&q->overdue);
 
     q->bound = bound > 0 ? (ngx_uint_t) bound : 1;
     q->threads = threads > 0 ? (unsigned) threads : 1;
     q->grace = grace_ms > 0 ? (ngx_msec_t) grace_ms : 0;
+    q->reclaim = reclaim_ms > 0 ? (ngx_msec_t) reclaim_ms : 0;
     q->spin_ns = spin_us > 0 ? (uint64_t) spin_us * 1000 : 0;
     q->spin_cur_ns = q->spin_ns;
     q->poll_ns = poll_us > 0 ? (uint64_t) poll_us * 1000 : 0;
@@ -1749,6 +2172,11 @@ ngx_loom_offload_ffi_load(const char *path, const char *config,
     q->wake_ev.log = ngx_cycle->log;
     q->wake_ev.data = q;
     q->wake_ev.cancelable = 1;
+
+    q->reclaim_ev.handler = ngx_loom_offload_reclaim_handler;
+    q->reclaim_ev.log = ngx_cycle->log;
+    q->reclaim_ev.data = q;
+    q->reclaim_ev.cancelable = 1;
 
     if (ngx_loom_offload_spawn(ngx_loom_offload_start_thread, q) != 0) {
         *errlen = ngx_snprintf(err, *errlen,
@@ -1795,12 +2223,15 @@ int
 ngx_loom_offload_ffi_submit(ngx_http_request_t *r, loom_offload_queue_t *q,
     const u_char *data, size_t len, loom_offload_task_t **out, void **sem)
 {
-    char                     *errmsg;
-    size_t                    cap;
-    uint64_t                  now;
-    ngx_http_cleanup_t       *cln;
-    loom_offload_task_t      *t;
-    ngx_loom_offload_rctx_t  *rctx;
+    char                       *errmsg;
+    size_t                      cap;
+    uint64_t                    now;
+    ngx_http_cleanup_t         *cln;
+    loom_offload_task_t        *t;
+    ngx_loom_offload_rctx_t    *rctx;
+    ngx_loom_offload_worker_t  *w;
+
+    w = &ngx_loom_offload_w;
 
     if (ngx_loom_load(&q->closed)) {
         return LOOM_FFI_DECLINED;
@@ -1845,7 +2276,7 @@ ngx_loom_offload_ffi_submit(ngx_http_request_t *r, loom_offload_queue_t *q,
 
     ngx_memzero(t, offsetof(loom_offload_task_t, data));
 
-    if (ngx_loom_offload_w.sema_new(&t->sem, 0, &errmsg) != NGX_OK) {
+    if (w->sema_new(&t->sem, 0, &errmsg) != NGX_OK) {
         free(t);
         return LOOM_FFI_ERROR;
     }
@@ -1868,6 +2299,12 @@ ngx_loom_offload_ffi_submit(ngx_http_request_t *r, loom_offload_queue_t *q,
 
     ngx_queue_insert_tail(&rctx->tasks, &t->rlink);
     ngx_queue_insert_tail(&q->live, &t->live);
+
+    w->tasks++;
+
+    if (w->tasks > w->tasks_peak) {
+        w->tasks_peak = w->tasks;
+    }
 
     pthread_mutex_lock(&q->mtx);
 
@@ -2051,13 +2488,15 @@ ngx_loom_offload_ffi_release(loom_offload_task_t *t)
 
     t->lua = 0;
 
+    /*
+     * else resolved as "closed" while a runtime thread still holds it:
+     * freed with its semaphore when the answer comes
+     */
     if (!t->rt) {
-        ngx_loom_offload_task_free(t);
+        ngx_loom_offload_discard(t);
 
-    } else if (t->sem) {
-        /* resolved as "closed" while a runtime thread still holds it */
-        ngx_loom_offload_w.sema_gc(t->sem);
-        t->sem = NULL;
+    } else {
+        ngx_loom_offload_overdue(t);
     }
 }
 
@@ -2085,16 +2524,13 @@ ngx_loom_offload_ffi_cancel(loom_offload_task_t *t)
 
     t->lua = 0;
 
-    /* the coroutine left the wait queue when it timed out */
-    if (t->sem) {
-        ngx_loom_offload_w.sema_gc(t->sem);
-        t->sem = NULL;
-    }
-
     ngx_loom_offload_unpend(t);
 
     if (!t->rt) {
-        ngx_loom_offload_task_free(t);
+        ngx_loom_offload_discard(t);
+
+    } else {
+        ngx_loom_offload_overdue(t);
     }
 
     return 0;
@@ -2130,7 +2566,8 @@ ngx_loom_offload_ffi_stats(loom_offload_queue_t *q,
     st->state = q->state;
     st->threads = q->threads;
     st->queued = (double) ngx_loom_load(&q->npending);
-    st->running = (double) (ngx_loom_load(&q->taken) - q->answered);
+    st->running = (double) (ngx_loom_load(&q->taken) - q->answered
+                            - q->reclaimed_held);
     st->submitted = (double) q->submitted;
     st->completed = (double) q->completed;
     st->errors = (double) q->errors;
@@ -2145,6 +2582,8 @@ ngx_loom_offload_ffi_stats(loom_offload_queue_t *q,
     st->polled = (double) q->polled;
     st->polled_hits = (double) q->polled_hits;
     st->peak_queued = (double) q->peak_queued;
+    st->reclaimed = (double) q->reclaimed;
+    st->misused = (double) __atomic_load_n(&q->misused, __ATOMIC_RELAXED);
 
     pct[0] = &st->p50;
     pct[1] = &st->p90;
