@@ -194,24 +194,44 @@ loom_java_take(JNIEnv *env, jclass cls, jlong rtp, jint timeout_ms)
 }
 
 
+/*
+ * The data of a task (the request bytes after the handler name and its
+ * NUL byte), with the name stored in names[0]: Java gets each in one copy.
+ */
 static jbyteArray JNICALL
-loom_java_request(JNIEnv *env, jclass cls, jlong rtp, jlong taskp)
+loom_java_request(JNIEnv *env, jclass cls, jlong rtp, jlong taskp,
+    jobjectArray names)
 {
-    size_t                len;
+    size_t                len, name_len;
+    jstring               name;
     jbyteArray            arr;
-    const unsigned char  *req;
+    const unsigned char  *req, *nul;
     loom_java_rt_t       *rt;
 
     rt = (loom_java_rt_t *) (intptr_t) rtp;
     req = rt->host->request((loom_offload_task_t *) (intptr_t) taskp, &len);
 
-    arr = (*env)->NewByteArray(env, (jsize) len);
-    if (arr == NULL) {
+    /* the request is NUL-terminated: a name without data ends there */
+    nul = memchr(req, '\0', len + 1);
+    name_len = nul - req;
+
+    name = (*env)->NewStringUTF(env, (const char *) req);
+    if (name == NULL) {
         return NULL;    /* OutOfMemoryError pending */
     }
 
+    (*env)->SetObjectArrayElement(env, names, 0, name);
+    (*env)->DeleteLocalRef(env, name);
+
+    len = name_len < len ? len - name_len - 1 : 0;
+
+    arr = (*env)->NewByteArray(env, (jsize) len);
+    if (arr == NULL) {
+        return NULL;
+    }
+
     (*env)->SetByteArrayRegion(env, arr, 0, (jsize) len,
-                               (const jbyte *) req);
+                               (const jbyte *) nul + 1);
     return arr;
 }
 
@@ -245,8 +265,9 @@ loom_java_answer(JNIEnv *env, jclass cls, jlong rtp, jlong taskp,
         return;
     }
 
+    /* no copy: the host copies the bytes before answer() returns */
     len = (*env)->GetArrayLength(env, data);
-    bytes = (*env)->GetByteArrayElements(env, data, NULL);
+    bytes = (*env)->GetPrimitiveArrayCritical(env, data, NULL);
 
     if (bytes == NULL) {
         static const char  msg[] = "no memory for the answer";
@@ -257,7 +278,7 @@ loom_java_answer(JNIEnv *env, jclass cls, jlong rtp, jlong taskp,
     }
 
     rt->host->answer(task, status, bytes, (size_t) len);
-    (*env)->ReleaseByteArrayElements(env, data, bytes, JNI_ABORT);
+    (*env)->ReleasePrimitiveArrayCritical(env, data, bytes, JNI_ABORT);
 }
 
 
@@ -296,7 +317,8 @@ loom_java_exited(JNIEnv *env, jclass cls, jlong rtp)
 
 static JNINativeMethod  loom_java_natives[] = {
     { "take", "(JI)J", (void *) loom_java_take },
-    { "request", "(JJ)[B", (void *) loom_java_request },
+    { "request", "(JJ[Ljava/lang/String;)[B",
+      (void *) loom_java_request },
     { "cancelled", "(JJ)Z", (void *) loom_java_cancelled },
     { "answer", "(JJI[B)V", (void *) loom_java_answer },
     { "log", "(JILjava/lang/String;)V", (void *) loom_java_log },

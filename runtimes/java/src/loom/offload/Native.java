@@ -18,8 +18,8 @@ final class Native {
     /** The next task, 0 when none came in time, CLOSED when closed. */
     static native long take(long rt, int timeoutMs);
 
-    /** The request bytes of a task: the handler name, a 0 byte, data. */
-    static native byte[] request(long rt, long task);
+    /** The data of a task; its handler's name goes to name[0]. */
+    static native byte[] request(long rt, long task, String[] name);
 
     static native boolean cancelled(long rt, long task);
 

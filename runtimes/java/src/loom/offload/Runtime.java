@@ -45,6 +45,7 @@ final class Runtime {
     private void serve() {
         long[] slot = Call.slot();
         slot[0] = rt;
+        String[] names = new String[1];
         try {
             for (;;) {
                 long task = Native.take(rt, 1000);
@@ -55,7 +56,7 @@ final class Runtime {
                     continue;
                 }
                 slot[1] = task;
-                run(task);
+                run(task, names);
                 slot[1] = 0;
             }
         } finally {
@@ -63,16 +64,9 @@ final class Runtime {
         }
     }
 
-    private void run(long task) {
-        byte[] req = Native.request(rt, task);
-        int nul = 0;
-        while (nul < req.length && req[nul] != 0) {
-            nul++;
-        }
-        String name = new String(req, 0, nul, StandardCharsets.UTF_8);
-        byte[] in = new byte[Math.max(0, req.length - nul - 1)];
-        System.arraycopy(req, Math.min(nul + 1, req.length), in, 0,
-                         in.length);
+    private void run(long task, String[] names) {
+        byte[] in = Native.request(rt, task, names);
+        String name = names[0];
         byte[] out;
         try {
             out = handler(name).call(in);
