@@ -425,6 +425,17 @@ ngx_loom_ffi_watchdog_wall(void)
 }
 
 
+/*
+ * A report line on the cycle's log: ngx.log in the report timer would end
+ * it with "context: ngx.timer" (and a request's stall is not a timer's)
+ */
+void
+ngx_loom_ffi_watchdog_log(int level, const u_char *msg, size_t len)
+{
+    ngx_log_error((ngx_uint_t) level, ngx_cycle->log, 0, "%*s", len, msg);
+}
+
+
 int
 ngx_loom_ffi_watchdog_pop(loom_wd_report_t *out)
 {
@@ -742,16 +753,76 @@ ngx_loom_wd_finish(uint64_t now, uint64_t since, uint64_t busy)
 }
 
 
+/*
+ * Where the running timer comes from: the innermost frame with a local
+ * "loom_timer_site" ("<created at>|<callback defined at>": the watchdog's
+ * ngx.timer wrapper, or resty.loom.timer's run_next) and, in the same
+ * frame, "loom_timer_name" (a resty.loom.timer name), appended after a
+ * second "|".
+ */
+static void
+wd_timer_site(lua_State *L)
+{
+    int                level, n, found;
+    size_t             len, nlen, room;
+    const char        *name, *s, *tname;
+    loom_lua_debug_t   ar;
+
+    for (level = 0; level < 200 && wd_getstack(L, level, &ar); level++) {
+        found = 0;
+        tname = NULL;
+        nlen = 0;
+
+        for (n = 1; n < 256; n++) {
+            name = wd_getlocal(L, &ar, n);
+            if (name == NULL) {
+                break;
+            }
+
+            if (ngx_strcmp(name, "loom_timer_site") == 0) {
+                s = wd_tolstring(L, -1, &len);
+                if (s != NULL) {
+                    len = ngx_min(len, LOOM_WD_SITE_LEN - 1);
+                    ngx_memcpy(wd_ctx_site, s, len);
+                    wd_ctx_site[len] = '\0';
+                    found = 1;
+                }
+
+            } else if (ngx_strcmp(name, "loom_timer_name") == 0) {
+                /* the value stays referenced by the frame once popped */
+                tname = wd_tolstring(L, -1, &nlen);
+            }
+
+            wd_settop(L, -2);
+        }
+
+        if (!found) {
+            continue;
+        }
+
+        if (tname != NULL) {
+            len = ngx_strlen(wd_ctx_site);
+            room = LOOM_WD_SITE_LEN - 1 - len;
+            if (room > 1) {
+                nlen = ngx_min(nlen, room - 1);
+                wd_ctx_site[len] = '|';
+                ngx_memcpy(wd_ctx_site + len + 1, tname, nlen);
+                wd_ctx_site[len + 1 + nlen] = '\0';
+            }
+        }
+
+        return;
+    }
+}
+
+
 /* where the sampled coroutine comes from: request or timer */
 static void
 wd_describe(lua_State *L, uint64_t seq)
 {
-    int                  phase, level;
+    int                  phase;
     char                *err;
     u_char              *p, *last;
-    size_t               len;
-    const char          *name, *s;
-    loom_lua_debug_t     ar;
     ngx_http_request_t  *r;
 
     wd_ctx_seq = seq;
@@ -770,29 +841,7 @@ wd_describe(lua_State *L, uint64_t seq)
 
     if (phase == LOOM_WD_LUA_TIMER) {
         wd_ctx_timer = 1;
-
-        /* the bottom frame is resty.loom.watchdog's timer runner */
-        level = 0;
-        while (level < 200 && wd_getstack(L, level + 1, &ar)) {
-            level++;
-        }
-
-        if (wd_getstack(L, level, &ar)) {
-            name = wd_getlocal(L, &ar, 2);
-            if (name != NULL) {
-                if (ngx_strcmp(name, "loom_timer_site") == 0) {
-                    s = wd_tolstring(L, -1, &len);
-                    if (s != NULL) {
-                        len = ngx_min(len, LOOM_WD_SITE_LEN - 1);
-                        ngx_memcpy(wd_ctx_site, s, len);
-                        wd_ctx_site[len] = '\0';
-                    }
-                }
-
-                wd_settop(L, -2);
-            }
-        }
-
+        wd_timer_site(L);
         return;
     }
 

@@ -11,6 +11,7 @@ import re
 import signal
 import threading
 import time
+import xml.etree.ElementTree as ET
 
 import pytest
 
@@ -327,8 +328,8 @@ location = /t {
 }
 """)
     lines = n.get("/t").text.splitlines()
-    assert "opts.threshold must be a non-negative number" in lines[0]
-    assert "opts.threshold must be at least 1" in lines[1]
+    assert "opts.threshold must be a number from 1 to 3600000" in lines[0]
+    assert "opts.threshold must be a number from 1 to 3600000" in lines[1]
     assert "opts.nope is not an option" in lines[2]
     assert "opts.backtraces must be a boolean" in lines[3]
     assert "must be called in init_worker_by_lua" in lines[4]
@@ -600,3 +601,170 @@ def test_reload_under_load_with_stalls(nginx):
     log = n.error_log()
     assert "exited on signal" not in log
     assert len(re.findall(r"event loop blocked", log)) >= made[0] * 0.9
+
+
+def worker_cpu_seconds(pid):
+    with open("/proc/%d/stat" % pid) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+BAD_OPTS = """{
+    { threshold = 1/0 }, { threshold = 0/0 }, { threshold = 1e308 },
+    { threshold = -1 }, { threshold = 0 },
+    { interval = 1e308 }, { interval = 0/0 }, { interval = 1/0 },
+    { interval = -1 }, { interval = 0.5 }, { interval = 200 },
+    { ring = 0 }, { ring = 0.5 }, { ring = 1/0 }, { ring = 0/0 },
+    { long = 1/0 }, { long = 0/0 }, { long = -5 },
+    { max_samples = 0/0 }, { max_samples = 1.5 },
+    { log_burst = 0 }, { log_burst = 0/0 },
+    { log_interval = 0 }, { log_interval = 1/0 }, { log_interval = 0/0 },
+}"""
+
+
+def test_start_refuses_nan_inf_and_absurd_options(nginx):
+    # issue 17 item 20: threshold = 1/0 was accepted and an idle worker
+    # burnt a core; 0/0 turned detection off; interval = 1e308 burnt 25 %
+    # of a core; ring = 0 or 0.5 kept no reports
+    n = nginx(workers=1, http="""
+    init_worker_by_lua_block {
+        local wd = require "resty.loom.watchdog"
+        local out = {}
+        for i, o in ipairs(%s) do
+            local ok, err = pcall(wd.start, o)
+            out[i] = tostring(ok) .. " " .. tostring(err)
+        end
+        package.loaded.wd_refused = out
+        assert(wd.start({ threshold = 100 }))
+        -- configure() refuses the same and keeps what it had
+        local ok = pcall(wd.configure, { ring = 0 })
+        package.loaded.wd_configure = tostring(ok)
+    }
+    """ % BAD_OPTS, server=SERVER + """
+location = /refused {
+    content_by_lua_block {
+        ngx.say(table.concat(package.loaded.wd_refused, "\\n"))
+        ngx.say(package.loaded.wd_configure)
+    }
+}
+location = /limits {
+    content_by_lua_block {
+        local wd = require "resty.loom.watchdog"
+        for _, o in ipairs({ { limit = 0/0 }, { limit = 1.5 },
+                             { limt = 1 }, { limit = 1 } }) do
+            ngx.say(tostring((pcall(wd.reports, o))))
+        end
+    }
+}
+""")
+    lines = n.get("/refused").text.splitlines()
+    assert len(lines) == 26
+    for line in lines[:-1]:
+        assert line.startswith("false opts."), lines
+    assert lines[-1] == "false"
+    assert any("opts.interval must not exceed opts.threshold" in ln
+               for ln in lines)
+    r = n.get("/limits")
+    assert r.text.split() == ["false", "false", "false", "true"], r.text
+    # an idle worker stays idle
+    pid = n.worker_pids()[0]
+    c0 = worker_cpu_seconds(pid)
+    time.sleep(2)
+    busy = (worker_cpu_seconds(pid) - c0) / 2
+    assert busy < 0.2, "worker busy %.0f %% of a core" % (busy * 100)
+    # and the ring still keeps reports
+    assert n.get("/usleep?ms=200").status == 200
+    data = wait_reports(n, 1)
+    assert len(data["reports"]) == 1
+    assert data["stats"]["threshold_ms"] == 100
+
+
+def test_flamegraph_example_serves_valid_xml(nginx):
+    # issue 17 item 22: ngx.print(wd.flamegraph()), the documented example,
+    # printed the frame count after </svg>
+    n = start(nginx)
+    for path in ("/cpu?ms=200", "/usleep?ms=200"):
+        assert n.get(path).status == 200
+    wait_reports(n, 2)
+    r = n.get("/flame")
+    assert r.status == 200
+    root = ET.fromstring(r.body)            # raises on trailing junk
+    assert root.tag == "{http://www.w3.org/2000/svg}svg"
+    titles = [t.text or "" for t in root.iter(
+        "{http://www.w3.org/2000/svg}title")]
+    assert any("sleep_ffi" in t for t in titles), titles
+
+
+def test_loom_timer_stall_names_the_timer_and_log_has_no_timer_context(
+        nginx):
+    # issue 17 item 21: a stall inside a resty.loom.timer callback was
+    # reported as "timer": {} and "by timer ?"; stall lines of requests
+    # ended in "context: ngx.timer" (they were logged from the report timer)
+    n = nginx(workers=1, http=HTTP % {"threshold": 100}, server=SERVER + """
+location = /loom {
+    content_by_lua_block {
+        assert(require("watchdog_cases").start_loom_timers(250))
+        ngx.say("ok")
+    }
+}
+""")
+    assert n.get("/loom").status == 200
+    reports = wait_reports(n, 2)["reports"]
+    assert len(reports) == 2, reports
+    burner, sleeper = reports           # newest first
+    for r in reports:
+        assert r["phase"] == "timer"
+        assert "request" not in r
+    assert sleeper["timer"]["created_at"] == "%s:%d" % (
+        CASES, marker_line("loom_created"))
+    assert sleeper["timer"]["callback"] == "%s:%d" % (
+        CASES, defined_line("loom_sleeper"))
+    assert "name" not in sleeper["timer"]
+    assert sleeper["backtrace"][0]["line"] == marker_line("loom_sleep")
+    # the runner's frames (resty/loom/timer) are not in the backtrace
+    for r in reports:
+        assert not any("resty/loom/timer" in f["source"]
+                       for f in r["backtrace"]), r["backtrace"]
+    assert burner["kind"] == "cpu"
+    assert burner["timer"] == {
+        "created_at": "%s:%d" % (CASES, marker_line("loom_named")),
+        "callback": "%s:%d" % (CASES, defined_line("loom_burner")),
+        "name": "burner",
+    }
+    n.wait_log(r'by timer "burner" \S+watchdog_cases.lua:%d created at '
+               r'\S+watchdog_cases.lua:%d' % (defined_line("loom_burner"),
+                                             marker_line("loom_named")))
+    # a request's stall: the line has no "context: ngx.timer"
+    assert n.get("/usleep?ms=200").status == 200
+    wait_reports(n, 3)
+    line = n.wait_log(r"event loop blocked [^\n]*by GET /usleep[^\n]*")[0]
+    assert "context:" not in line, line
+    lines = [ln for ln in n.error_log().splitlines()
+             if "event loop blocked" in ln]
+    assert len(lines) == 3
+    assert not any("context: ngx.timer" in ln for ln in lines), lines
+
+
+def test_loom_timer_stall_without_stats_still_named(nginx):
+    # resty.loom.timer with stats = false keeps no creation site: the
+    # report still names the timer and the callback's file
+    n = nginx(workers=1, http="""
+    init_by_lua_block {
+        require("resty.loom.timer").configure({ stats = false })
+    }
+    """ + HTTP % {"threshold": 100}, server=SERVER + """
+location = /loom {
+    content_by_lua_block {
+        assert(require("watchdog_cases").start_loom_timers(250))
+        ngx.say("ok")
+    }
+}
+""")
+    assert n.get("/loom").status == 200
+    reports = wait_reports(n, 2)["reports"]
+    assert len(reports) == 2, reports
+    burner, sleeper = reports
+    assert burner["timer"] == {"callback": CASES, "name": "burner"}
+    assert sleeper["timer"] == {"callback": CASES}
+    assert sleeper["backtrace"][0]["line"] == marker_line("loom_sleep")
+    n.wait_log(r'by timer "burner" \S+watchdog_cases.lua;')

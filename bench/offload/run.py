@@ -27,7 +27,6 @@ mechanisms (A B C ... then ... C B A); figures are medians over passes.
 Results: bench/results/offload.json.
 """
 
-import argparse
 import datetime
 import json
 import os
@@ -41,6 +40,10 @@ import subprocess
 import sys
 import time
 import urllib.request
+
+sys.path.insert(0, os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), ".."))
+import benchcli  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
@@ -209,7 +212,7 @@ def rss_kb(pid):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = benchcli.parser(__doc__)
     ap.add_argument("--duration", type=int, default=10,
                     help="seconds per wrk run (default 10)")
     # 3: the median of 2 is their mean, and one pass that fell off the
@@ -266,6 +269,13 @@ def main():
         jobs = [m for m in jobs if m in keep]
         libs = {k: v for k, v in libs.items()
                 if k in keep or (k == "lua_job" and jobs)}
+    # sequential: ~10 us a call; concurrent: one wrk run per cell
+    benchcli.announce(__doc__, args.passes * len(sizes) * (
+        len(mechs) * (args.calls * 10e-6 + 1)
+        + (not args.skip_concurrent) * (len(mechs) + 1) * (args.duration + 2))
+        + (not args.skip_concurrent) * args.passes * len(jobs)
+        * (args.duration + 2),
+        "print only" if args.no_write else RESULTS)
 
     side = build(mechs)
     prefix = os.path.join(TMP, "nginx")

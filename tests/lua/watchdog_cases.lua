@@ -66,4 +66,30 @@ function _M.start_timer(ms)
 end
 
 
+-- resty.loom.timer callbacks: one sleeps, one burns CPU (a compiled loop)
+local function loom_sleeper(premature, ms)
+    if premature then
+        return
+    end
+    C.usleep(ms * 1000)  -- LINE:loom_sleep
+end
+
+
+local function loom_burner(premature, ms)
+    if premature then
+        return
+    end
+    burn_cpu(ms)
+end
+
+
+function _M.start_loom_timers(ms)
+    local timer = require "resty.loom.timer"
+    local h1 = timer.at(0, loom_sleeper, ms)  -- LINE:loom_created
+    local named = { delay = 0.5, name = "burner" }
+    local h2 = timer.at(named, loom_burner, ms)  -- LINE:loom_named
+    return h1 and h2
+end
+
+
 return _M

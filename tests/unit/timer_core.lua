@@ -489,22 +489,107 @@ case("exit: premature runs past the deadline are dropped", function()
 end)
 
 
-case("argument errors", function()
+case("argument errors name the caller; the options form is strict",
+     function()
     local e = env()
     local function raises(f, pat)
         local ok, err = pcall(f)
         check(not ok and err:find(pat, 1, true), tostring(err))
+        -- level 2: the line of the call, not core.lua
+        check(err:find("^[^:]*timer_core%.lua:%d+: bad argument"),
+              "not at the caller's level: " .. err)
     end
-    raises(function() e.t:at(-1, print) end, "delay must be >= 0")
-    raises(function() e.t:at(0 / 0, print) end, "delay must be >= 0")
+    raises(function() e.t:at("abc", print) end,
+           "number or options table expected, got string")
+    raises(function() e.t:at(nil, print) end, "got nil")
     raises(function() e.t:at(1, "x") end, "callback must be a function")
-    raises(function() e.t:every(0, print) end, "interval must be > 0")
+    raises(function() e.t:every(0, print) end, "delay cannot be zero")
+    raises(function() e.t:every(0.0001, print) end, "delay cannot be zero")
+    raises(function() e.t:every(1 / 0, print) end, "delay cannot be zero")
+    raises(function() e.t:every(1e308, print) end, "delay cannot be zero")
+    raises(function() e.t:at({}, print) end, "opts.delay is required")
+    raises(function() e.t:at({ delay = 1, nmae = "x" }, print) end,
+           "opts.nmae is not an option")
+    for _, bad in ipairs({ 0 / 0, -1, 1 / 0, 1e308, "1" }) do
+        raises(function() e.t:at({ delay = bad }, print) end,
+               "opts.delay must be")
+        raises(function() e.t:every({ interval = bad }, print) end,
+               "opts.interval must be")
+        raises(function() e.t:at({ delay = 1, jitter = bad }, print) end,
+               "opts.jitter must be")
+    end
+    for _, bad in ipairs({ 0, 0 / 0, -1, 1 / 0 }) do
+        raises(function() e.t:at({ delay = 1, max_run_time = bad }, print) end,
+               "opts.max_run_time must be")
+    end
+    raises(function() e.t:every({ interval = 0.0005 }, print) end,
+           "opts.interval must be")
     raises(function() e.t:every({ interval = 1, mode = "x" }, print) end,
            "opts.mode must be")
     raises(function() e.t:at({ delay = 1, name = 3 }, print) end,
            "opts.name must be a string")
-    raises(function() core.new({ clock = os.time, resolution = 0.0001 }) end,
-           "opts.resolution must be")
+    local ok, err = pcall(core.new, { clock = os.time, resolution = 0 / 0 })
+    check(not ok and err:find("opts.resolution must be", 1, true), err)
+    eq(e.t:counts().timers, 0, "nothing was created")
+end)
+
+
+case("positional delays behave like ngx.timer's", function()
+    local e = env()
+    local ran = {}
+    local function mark(_, k)
+        ran[k] = (ran[k] or 0) + 1
+    end
+    -- NaN, negative and past-the-wrap delays run at once; "0.5" is 0.5 s
+    for k, d in pairs({ nan = 0 / 0, neg = -1, ninf = -1 / 0, inf = 1 / 0,
+                        huge = 1e308, str = "0.5" }) do
+        check(e.t:at(d, mark, k), k)
+    end
+    e.step(10000)
+    eq(ran.nan, 1, "nan")
+    eq(ran.neg, 1, "neg")
+    eq(ran.ninf, 1, "-inf")
+    eq(ran.inf, 1, "inf")
+    eq(ran.huge, 1, "1e308")
+    eq(ran.str, nil, "\"0.5\" is not due yet")
+    e.step(500000)
+    eq(ran.str, 1, "\"0.5\"")
+    -- every() with a negative or NaN interval runs on every tick
+    local h = assert(e.t:every(-1, mark, "every"))
+    e.run_until(e.now + 100000)
+    eq(ran.every, 10, "every(-1) at the 10 ms tick")
+    e.t:cancel(h)
+end)
+
+
+case("any number of arguments, nils included", function()
+    local e = env()
+    for _, n in ipairs({ 0, 1, 2, 3, 254, 255, 256, 1000 }) do
+        local args = {}
+        for i = 1, n do
+            args[i] = (i % 7 ~= 0) and i or nil
+        end
+        local got
+        e.t:at(0, function(_, ...)
+            got = { n = select("#", ...), ... }
+        end, unpack(args, 1, n))
+        e.step(1)
+        eq(got.n, n, "count")
+        for i = 1, n do
+            eq(got[i], args[i], "argument " .. i)
+        end
+    end
+end)
+
+
+case("an error value that is a table is logged as JSON with a traceback",
+     function()
+    local e = env()
+    e.t:at(0, function() error({ code = 42 }) end)
+    e.step(1)
+    local line = e.logs[1] or ""
+    check(line:find('failed: {"code":42}', 1, true), line)
+    check(line:find("stack traceback", 1, true), line)
 end)
 
 

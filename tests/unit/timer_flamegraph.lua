@@ -65,3 +65,20 @@ case("svg: tiny frames dropped, labels truncated, empty input", function()
     check(empty:find("no data", 1, true))
     check(not pcall(fg.svg, 42))
 end)
+
+
+case("svg: every option is checked", function()
+    for _, opts in ipairs({ { width = 0 / 0 }, { width = 1 / 0 },
+                            { width = 10.5 }, { frame_height = 0 },
+                            { font_size = -1 }, { min_width = 0 / 0 },
+                            { max_depth = 0 }, { title = 3 },
+                            { widht = 800 } }) do
+        local ok, err = pcall(function()
+            local svg = fg.svg("a;b 1", opts)   -- not a tail call: a line
+            return svg
+        end)
+        check(not ok and err:find("opts%.[%w_]+ "), tostring(err))
+        check(err:find("timer_flamegraph.lua", 1, true), err)  -- caller's line
+    end
+    check(fg.svg("a;b 1", { width = 800, title = "t", min_width = 0 }))
+end)

@@ -148,6 +148,7 @@ local function engine()
             max_run_time = cfg.max_run_time or nil,
             precise_sites = cfg.precise_sites,
             site_level = 4,         -- core.at() is called by _M.at()
+            err_level = 3,          -- errors name the caller of _M.at()
         })
         if cfg.fresh_ctx then
             eng.pre_run = fresh_ctx
@@ -403,7 +404,44 @@ end
 -- API ---------------------------------------------------------------------
 
 
--- configure(opts): before the first timer (init_by_lua or init_worker_by_lua)
+-- numeric options: { least, most, whole number }
+local LIMITS = {
+    resolution = { 0.001, 1 },
+    max_running = { 1, 1e6, true },
+    max_runners = { 1, 1024, true },
+    runner_spawns = { 1, 1e7, true },
+    exit_timeout = { 0.001, 86400 },
+    max_run_time = { 0.001, 86400 },
+    max_names = { 0, 1e6, true },
+    slice = { 0.0001, 1 },
+}
+
+
+local function check_option(k, v)
+    local d = DEFAULTS[k]
+    if d == nil then
+        error("opts." .. tostring(k) .. " is not an option", 3)
+    end
+    local lim = LIMITS[k]
+    if lim then
+        if k == "max_run_time" and v == false then
+            return
+        end
+        if type(v) ~= "number" or not (v >= lim[1] and v <= lim[2])
+           or (lim[3] and v % 1 ~= 0)
+        then
+            error("opts." .. k .. " must be a " .. (lim[3] and "whole " or "")
+                  .. "number from " .. lim[1] .. " to " .. lim[2]
+                  .. (k == "max_run_time" and ", or false" or ""), 3)
+        end
+    elseif type(v) ~= "boolean" then
+        error("opts." .. k .. " must be a boolean", 3)
+    end
+end
+
+
+-- configure(opts): before the first timer (init_by_lua or
+-- init_worker_by_lua). Every option is checked before any is taken.
 function _M.configure(opts)
     if type(opts) ~= "table" then
         error("opts must be a table", 2)
@@ -412,27 +450,10 @@ function _M.configure(opts)
         error("configure() must be called before the first timer", 2)
     end
     for k, v in pairs(opts) do
-        local d = DEFAULTS[k]
-        if d == nil then
-            error("opts." .. tostring(k) .. " is not an option", 2)
-        end
-        if type(d) == "number" and (type(v) ~= "number" or v <= 0) then
-            error("opts." .. k .. " must be a positive number", 2)
-        end
-        if type(d) == "boolean" and type(v) ~= "boolean"
-           and k ~= "max_run_time"
-        then
-            error("opts." .. k .. " must be a boolean", 2)
-        end
+        check_option(k, v)
+    end
+    for k, v in pairs(opts) do
         cfg[k] = v
-    end
-    if cfg.resolution < 0.001 or cfg.resolution > 1 then
-        error("opts.resolution must be between 0.001 and 1", 2)
-    end
-    if cfg.max_run_time and (type(cfg.max_run_time) ~= "number"
-                             or cfg.max_run_time <= 0)
-    then
-        error("opts.max_run_time must be a positive number", 2)
     end
     return true
 end
@@ -584,7 +605,21 @@ end
 
 -- this worker's statistics; opts.raw keeps the histograms (for merging)
 function _M.stats(opts)
-    local raw = opts and opts.raw
+    local raw = false
+    if opts ~= nil then
+        if type(opts) ~= "table" then
+            error("opts must be a table", 2)
+        end
+        for k, v in pairs(opts) do
+            if k ~= "raw" then
+                error("opts." .. tostring(k) .. " is not an option", 2)
+            end
+            if type(v) ~= "boolean" then
+                error("opts.raw must be a boolean", 2)
+            end
+            raw = v
+        end
+    end
     local out = engine():stats(raw)
     local pool = pool_stats()
     out.runners = pool.runners
@@ -689,6 +724,11 @@ end
 -- merged stats, source = "events" | "local" }, plus the merged raw site
 -- records (for flame graphs) as a second value
 function _M.stats_all(timeout)
+    if timeout ~= nil and (type(timeout) ~= "number"
+                           or not (timeout > 0 and timeout <= 60))
+    then
+        error("timeout must be a number of seconds over 0, at most 60", 2)
+    end
     local per
     local source = "local"
     local bus = get_bus()
@@ -742,7 +782,15 @@ end
 
 function _M.serve_json()
     local cjson = require "cjson.safe"
-    local data = _M.stats_all(tonumber(ngx.var.arg_timeout) or 2)
+    local arg = ngx.var.arg_timeout
+    local timeout = tonumber(arg or 2)
+    if not (timeout and timeout > 0 and timeout <= 60) then
+        ngx.status = 400
+        ngx.header["Content-Type"] = "text/plain"
+        ngx.say("bad timeout: ", arg)
+        return
+    end
+    local data = _M.stats_all(timeout)
     if ngx.var.arg_stacks ~= "1" then
         for _, s in pairs(data.total.sites) do
             s.stack = nil

@@ -125,6 +125,7 @@ const loom_wd_sample_t *ngx_loom_ffi_watchdog_samples(int *n,
 void ngx_loom_ffi_watchdog_samples_reset(void);
 double ngx_loom_ffi_watchdog_busy_ms(void);
 double ngx_loom_ffi_watchdog_wall(void);
+void ngx_loom_ffi_watchdog_log(int level, const char *msg, size_t len);
 ]]
 
 
@@ -341,6 +342,37 @@ local function fix_call_line(frames)
 end
 
 
+-- a frame of the code that runs timer callbacks: this module's ngx.timer
+-- wrapper, resty.loom.timer, or the xpcall it calls callbacks with
+local function is_runner(f)
+    return f.source == RUNNER_SOURCE
+           or str_find(f.source, "resty/loom/timer", 1, true) ~= nil
+           or str_find(f.source, "[builtin#", 1, true) == 1
+end
+
+
+-- drops the runner's frames under a timer's callback (frames innermost
+-- first); the callback has no name of its own. Without a site (a loom
+-- timer made with stats = false) the callback frame stands for it.
+local function drop_runner_frames(timer, frames)
+    local n = #frames
+    if n == 0 or not is_runner(frames[n]) then
+        return
+    end
+    while n > 0 and is_runner(frames[n]) do
+        frames[n] = nil
+        n = n - 1
+    end
+    local cb = frames[n]
+    if cb then
+        cb.func = nil
+        if not timer.callback then
+            timer.callback = cb.source
+        end
+    end
+end
+
+
 local function build_report(c, samples, threshold)
     local dur = c.duration_ms
     local on_cpu
@@ -413,9 +445,14 @@ local function build_report(c, samples, threshold)
     report.reported_after_ms = round((now - c.start) * 1000 - dur, 2)
 
     if c.timer ~= 0 then
+        -- "<created at>|<callback>" or, from resty.loom.timer,
+        -- "<created at>|<callback>|<name>"
         local site = c.site[0] ~= 0 and ffi_string(c.site) or ""
-        local created, defined = str_match(site, "^(.*)|(.*)$")
-        report.timer = { created_at = created, callback = defined }
+        local created, defined, name = str_match(site,
+                                                 "^([^|]*)|([^|]*)|?(.*)$")
+        report.timer = { created_at = created ~= "" and created or nil,
+                         callback = defined ~= "" and defined or nil,
+                         name = name ~= "" and name or nil }
     elseif c.request[0] ~= 0 then
         local req = ffi_string(c.request)
         local method, uri = str_match(req, "^(%S+) (.*)$")
@@ -441,13 +478,8 @@ local function build_report(c, samples, threshold)
         report.backtrace = frames
         report.vmstate = bt_sample.vmstate
 
-        local bottom = frames[#frames]
-        if report.timer and bottom and bottom.source == RUNNER_SOURCE then
-            -- drop our runner; the callback has no name of its own
-            frames[#frames] = nil
-            if frames[#frames] then
-                frames[#frames].func = nil
-            end
+        if report.timer then
+            drop_runner_frames(report.timer, frames)
         end
     end
 
@@ -529,7 +561,8 @@ local function summary_line(r)
             what = what .. " (" .. r.phase .. ")"
         end
     elseif r.timer then
-        what = "timer " .. (r.timer.callback or "?")
+        what = "timer " .. (r.timer.name and ("\"" .. r.timer.name .. "\" ")
+                            or "") .. (r.timer.callback or "?")
         if r.timer.created_at then
             what = what .. " created at " .. r.timer.created_at
         end
@@ -608,7 +641,8 @@ local function log_report(r, opts)
                                   state.log_suppressed)
         state.log_suppressed = 0
     end
-    ngx_log(ngx_WARN, LOG_TAG, line)
+    line = LOG_TAG .. line
+    C.ngx_loom_ffi_watchdog_log(ngx_WARN, line, #line)
 end
 
 
@@ -719,6 +753,38 @@ local function wrap_timers()
 end
 
 
+-- numeric options: { least, most, whole number, what 0 means if allowed }
+local LIMITS = {
+    threshold = { 1, 3600000 },                 -- ms, up to an hour
+    interval = { 1, 1000, false, "auto" },      -- ms; also <= threshold
+    long = { 1, 86400000, false, "off" },       -- ms, up to a day
+    max_samples = { 0, 100000, true },
+    ring = { 1, 100000, true },
+    log_burst = { 1, 1000000, true },
+    log_interval = { 0.001, 86400 },            -- s
+}
+
+
+local REPORTS_LIMIT = { 0, LIMITS.ring[2], true }
+
+
+-- raises at the given level (counted from this function)
+local function check_number(k, v, lim, level)
+    if v == 0 and lim[4] then
+        return
+    end
+    if type(v) ~= "number" or not (v >= lim[1] and v <= lim[2])
+       or (lim[3] and v % 1 ~= 0)
+    then
+        error("opts." .. k .. " must be a " .. (lim[3] and "whole " or "")
+              .. "number from " .. lim[1] .. " to " .. lim[2]
+              .. (lim[4] and (", or 0 (" .. lim[4] .. ")") or ""), level)
+    end
+end
+
+
+-- the options of start() or configure() over base; raises (at the level
+-- of their caller) before anything changes
 local function check_opts(opts, base)
     if opts == nil then
         opts = {}
@@ -738,17 +804,11 @@ local function check_opts(opts, base)
         o[k] = v
     end
 
-    for _, k in ipairs({ "threshold", "interval", "long", "max_samples",
-                         "ring", "log_burst", "log_interval" }) do
-        if type(o[k]) ~= "number" or o[k] < 0 then
-            error("opts." .. k .. " must be a non-negative number", 3)
-        end
+    for k, lim in pairs(LIMITS) do
+        check_number(k, o[k], lim, 4)
     end
-    if o.threshold < 1 then
-        error("opts.threshold must be at least 1 (ms)", 3)
-    end
-    if o.max_samples > 100000 then
-        error("opts.max_samples must be at most 100000", 3)
+    if o.interval > o.threshold then
+        error("opts.interval must not exceed opts.threshold", 3)
     end
     for _, k in ipairs({ "backtraces", "breakpoints", "log", "timers" }) do
         if type(o[k]) ~= "boolean" then
@@ -934,8 +994,21 @@ end
 
 -- newest first; opts.limit (default all)
 function _M.reports(opts)
+    local limit
+    if opts ~= nil then
+        if type(opts) ~= "table" then
+            error("opts must be a table", 2)
+        end
+        for k, v in pairs(opts) do
+            if k ~= "limit" then
+                error("opts." .. tostring(k) .. " is not an option", 2)
+            end
+            check_number("limit", v, REPORTS_LIMIT, 3)
+            limit = v
+        end
+    end
     drain()
-    local limit = opts and opts.limit or #state.ring
+    limit = limit or #state.ring
     local out = {}
     local ring = state.ring
     for i = #ring, 1, -1 do
@@ -975,7 +1048,11 @@ function _M.flamegraph(reports, opts)
     for k, v in pairs(opts or {}) do
         o[k] = v
     end
-    return flamegraph.svg(_M.folded(reports), o)
+    -- the SVG alone: ngx.print(watchdog.flamegraph()) must serve a valid
+    -- document (the renderer's second value, the frame count, would follow
+    -- </svg>)
+    local svg = flamegraph.svg(_M.folded(reports), o)
+    return svg
 end
 
 

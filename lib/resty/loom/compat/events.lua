@@ -1,80 +1,215 @@
--- lua-resty-events' API (resty.events) on top of resty.loom.events, so
--- code written for it runs unchanged. Differences are listed in
--- docs/events.md.
+-- lua-resty-events' API (resty.events 0.3.x) on top of resty.loom.events,
+-- so code written for it runs unchanged: the same options, validation
+-- messages, return values, handler arguments and handler order.
+-- Differences are listed in docs/events.md, "Compatibility".
 
 
 local events = require "resty.loom.events"
+local common = require "resty.loom.compat.common"
+local frame = require "resty.loom.events.frame"
 
 local type = type
 local error = error
 local tostring = tostring
 local setmetatable = setmetatable
+local ceil = math.ceil
+local max = math.max
+local str_sub = string.sub
+local tab_remove = table.remove
+local ngx_md5 = ngx.md5
+local timer_at = ngx.timer.at
+local local_event = common.local_event
+local unwrap = common.unwrap
+local call = common.call
+
+local DEFAULT_UNIQUE_TIMEOUT = 5
+local DEFAULT_MAX_QUEUE_LEN = 1024 * 10
+local DEFAULT_MAX_PAYLOAD_LEN = 1024 * 64
+local LIMIT_MAX_PAYLOAD_LEN = 1024 * 1024 * 16
+local UNIQUE_KEY_MAX = frame.KEY_MAX
+-- the bus bounds bytes too; lua-resty-events bounds events only
+local QUEUE_BYTES = 64 * 1024 * 1024
+local EVENT_ROOM = 8192
+
+-- the bus's errors in lua-resty-events' words
+local ERRORS = { ["queue full"] = "queue overflow" }
 
 
-local _M = { _VERSION = "0.1.0" }
+local _M = { _VERSION = "0.3.1" }
 local mt = { __index = _M }
 
 
-local function opt(opts, name, kind)
-    local v = opts[name]
-    if v ~= nil and type(v) ~= kind then
-        error('"' .. name .. '" option is invalid', 3)
-    end
-    return v
-end
-
-
--- raises lua-resty-events' error for a missing or empty name, blaming the
--- caller of the API function
-local function require_name(value, what)
-    if type(value) ~= "string" or value == "" then
-        error(what .. " is required", 3)
-    end
-end
-
-
--- new(opts): listening ("unix:<path>", required), broker_id,
--- unique_timeout, max_queue_len, max_payload_len, enable_privileged_agent,
--- testing
-function _M.new(opts)
+-- lua-resty-events' checks, in its order and with its messages; fills
+-- the defaults into opts, as it does
+local function check_options(opts)
     if type(opts) ~= "table" then
-        error("opts must be a table", 2)
+        return nil, "Expected a table, got " .. type(opts)
     end
-    local listening = opt(opts, "listening", "string")
-    if not listening or listening:sub(1, 5) ~= "unix:" then
-        error('"listening" option is invalid', 2)
+    opts.broker_id = opts.broker_id or 0
+    if type(opts.broker_id) ~= "number" then
+        return nil, '"broker_id" option must be a number'
     end
-    local testing = opt(opts, "testing", "boolean")
-    local self = { testing = testing, subs = {}, next_id = 0 }
-    if not testing then
-        local max_payload = opt(opts, "max_payload_len", "number")
-        local max_queue = opt(opts, "max_queue_len", "number")
+    if opts.broker_id < 0 or opts.broker_id >= ngx.worker.count() then
+        return nil, '"broker_id" option is invalid'
+    end
+    if not opts.listening then
+        return nil, '"listening" option required to start'
+    end
+    if type(opts.listening) ~= "string" then
+        return nil, '"listening" option must be a string'
+    end
+    if str_sub(opts.listening, 1, 5) ~= "unix:" then
+        return nil, '"listening" option must start with unix:'
+    end
+    opts.unique_timeout = opts.unique_timeout or DEFAULT_UNIQUE_TIMEOUT
+    if type(opts.unique_timeout) ~= "number" then
+        return nil, 'optional "unique_timeout" option must be a number'
+    end
+    if opts.unique_timeout <= 0 then
+        return nil, '"unique_timeout" must be greater than 0'
+    end
+    opts.max_queue_len = opts.max_queue_len or DEFAULT_MAX_QUEUE_LEN
+    if type(opts.max_queue_len) ~= "number" then
+        return nil, '"max_queue_len" option must be a number'
+    end
+    if opts.max_queue_len <= 0 then
+        return nil, '"max_queue_len" option is invalid'
+    end
+    opts.max_payload_len = opts.max_payload_len or DEFAULT_MAX_PAYLOAD_LEN
+    if type(opts.max_payload_len) ~= "number" then
+        return nil, '"max_payload_len" option must be a number'
+    end
+    if opts.max_payload_len <= 0
+       or opts.max_payload_len > LIMIT_MAX_PAYLOAD_LEN
+    then
+        return nil, '"max_payload_len" option is invalid'
+    end
+    if opts.enable_privileged_agent ~= nil
+       and type(opts.enable_privileged_agent) ~= "boolean"
+    then
+        return nil, '"enable_privileged_agent" option must be a boolean'
+    end
+    opts.testing = opts.testing or false
+    if type(opts.testing) ~= "boolean" then
+        return nil, '"testing" option must be a boolean'
+    end
+    return true
+end
+
+
+local function run_list(funcs, list, data, event, source, wid)
+    if not list then
+        return
+    end
+    local i = 1
+    while i <= #list do
+        local fn = funcs[list[i]]
+        if fn then
+            call(fn, "wid", data, event, source, wid)
+            i = i + 1
+        else
+            -- unsubscribed: forget it here too
+            tab_remove(list, i)
+        end
+    end
+end
+
+
+-- runs the callbacks of one event as lua-resty-events does: those for
+-- ("*", "*"), then (source, "*"), then (source, event)
+local function dispatch(self, source, event, data, wid)
+    local funcs = self.funcs
+    local buckets = self.buckets
+    local any = buckets["*"]
+    run_list(funcs, any and any["*"], data, event, source, wid)
+    local by_event = buckets[source]
+    if by_event then
+        run_list(funcs, by_event["*"], data, event, source, wid)
+        run_list(funcs, by_event[event], data, event, source, wid)
+    end
+end
+
+
+function _M.new(opts)
+    local ok, err = check_options(opts)
+    if not ok then
+        error(err, 2)
+    end
+    local self = setmetatable({
+        opts = opts,
+        funcs = {},         -- id -> callback
+        buckets = {},       -- source -> event -> ids, in subscribe order
+        counter = 0,
+        early = {},         -- published before init_worker()
+        ready = false,      -- testing mode only
+    }, mt)
+    if not opts.testing then
+        local payload = ceil(opts.max_payload_len)
         self.bus = events.new({
-            socket = listening,
-            broker = opt(opts, "broker_id", "number"),
-            unique_window = opt(opts, "unique_timeout", "number"),
-            max_queue = max_queue,
-            max_payload = max_payload,
-            max_queue_bytes = max_payload
-                              and (max_payload * 4 + 64 * 1024 * 1024) or nil,
-            privileged_agent = opt(opts, "enable_privileged_agent",
-                                   "boolean") or false,
+            socket = opts.listening,
+            broker = ceil(opts.broker_id),
+            unique_window = max(opts.unique_timeout, 0.001),
+            max_queue = ceil(opts.max_queue_len),
+            max_payload = payload,
+            max_queue_bytes = max(QUEUE_BYTES, payload * 4 + EVENT_ROOM),
+            privileged_agent = opts.enable_privileged_agent == true,
         })
+        self.bus:subscribe("*", "*", function(data, event, source, wid)
+            local d, is_local = unwrap(data)
+            if is_local then
+                wid = nil
+            end
+            return dispatch(self, source, event, d, wid)
+        end)
     end
-    return setmetatable(self, mt)
+    return self
+end
+
+
+local function set_ready(premature, self)
+    if not premature then
+        self.ready = true
+    end
 end
 
 
 function _M.init_worker(self)
-    if self.testing then
+    if self.opts.testing then
+        -- lua-resty-events is ready once its first timer ran
+        local ok, err = timer_at(0, set_ready, self)
+        if not ok then
+            return nil, "failed to start the events timer: " .. err
+        end
         return true
     end
-    return self.bus:init_worker()
+    if ngx.worker.id() == nil
+       and self.opts.enable_privileged_agent ~= true
+    then
+        -- the privileged agent takes part only when enabled explicitly
+        return true
+    end
+    local ok, err = self.bus:init_worker()
+    if not ok then
+        return nil, err
+    end
+    -- what was published before: queued in order, as lua-resty-events
+    -- keeps it until the connection is up
+    local early = self.early or {}
+    self.early = nil
+    for i = 1, #early do
+        local e = early[i]
+        local pok, perr = self:publish(e[1], e[2], e[3], e[4])
+        if not pok then
+            ngx.log(ngx.ERR, "failed to publish event queued before "
+                    .. "init_worker(): ", perr)
+        end
+    end
+    return true
 end
 
 
 function _M.run(self)
-    if self.testing then
+    if self.opts.testing then
         return ngx.exit(444)
     end
     return self.bus:serve()
@@ -82,32 +217,55 @@ end
 
 
 function _M.is_ready(self)
-    return self.testing or self.bus:is_ready()
+    if self.opts.testing then
+        return self.ready
+    end
+    return self.bus:is_ready()
 end
 
 
 -- publish(target, source, event, data): target "all", "current", or any
 -- other string naming a unique event (delivered to one worker)
 function _M.publish(self, target, source, event, data)
-    require_name(target, "target")
-    require_name(source, "source")
-    require_name(event, "event")
-    if self.testing then
+    if type(target) ~= "string" or target == "" then
+        error("target is required", 2)
+    end
+    if type(source) ~= "string" or source == "" then
+        error("source is required", 2)
+    end
+    if type(event) ~= "string" or event == "" then
+        error("event is required", 2)
+    end
+    if self.opts.testing then
         -- synchronous, in this process, as lua-resty-events' testing mode
-        for _, sub in pairs(self.subs) do
-            if (sub[1] == "*" or sub[1] == source)
-               and (sub[2] == "*" or sub[2] == event) then
-                sub[3](data, event, source, nil)
-            end
-        end
+        dispatch(self, source, event, data, nil)
         return true
     end
-    if target ~= "all" and target ~= "current" then
+    local early = self.early
+    if early then
+        -- bounded as lua-resty-events' publisher queue is
+        if #early >= self.opts.max_queue_len then
+            return nil, "failed to publish event: queue overflow"
+        end
+        early[#early + 1] = { target, source, event, data }
+        return true
+    end
+
+    if target == "current" then
+        data = local_event(data)
+    elseif target ~= "all" then
+        if #target > UNIQUE_KEY_MAX then
+            target = ngx_md5(target)
+        end
         target = "unique:" .. target
     end
     local ok, err = self.bus:publish(target, source, event, data)
     if not ok then
-        return nil, "failed to publish event: " .. err
+        if err == "payload too large" then
+            err = "payload exceeds the limitation ("
+                  .. self.opts.max_payload_len .. ")"
+        end
+        return nil, "failed to publish event: " .. (ERRORS[err] or err)
     end
     return true
 end
@@ -116,31 +274,39 @@ end
 -- subscribe(source, event, callback): callback(data, event, source, wid);
 -- returns an id for unsubscribe()
 function _M.subscribe(self, source, event, callback)
-    require_name(source, "source")
-    require_name(event, "event")
+    if type(source) ~= "string" or source == "" then
+        error("source is required", 2)
+    end
+    if type(event) ~= "string" or event == "" then
+        error("event is required", 2)
+    end
     if type(callback) ~= "function" then
-        error("expected function, got " .. type(callback), 2)
+        error("expected function, got: " .. type(callback), 2)
     end
-    self.next_id = self.next_id + 1
-    local id = tostring(self.next_id)
-    if self.testing then
-        self.subs[id] = { source, event, callback }
-    else
-        self.subs[id] = self.bus:subscribe(source, event, callback)
+    local count = self.counter + 1
+    self.counter = count
+    local id = tostring(count)
+    self.funcs[id] = callback
+    local by_event = self.buckets[source]
+    if not by_event then
+        by_event = {}
+        self.buckets[source] = by_event
     end
+    local list = by_event[event]
+    if not list then
+        list = {}
+        by_event[event] = list
+    end
+    list[#list + 1] = id
     return id
 end
 
 
 function _M.unsubscribe(self, id)
-    local sub = self.subs[id]
-    if sub == nil then
-        return
+    if type(id) ~= "string" or id == "" then
+        error("id is required", 2)
     end
-    self.subs[id] = nil
-    if not self.testing then
-        self.bus:unsubscribe(sub)
-    end
+    self.funcs[id] = nil
 end
 
 

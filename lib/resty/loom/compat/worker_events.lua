@@ -1,85 +1,180 @@
--- lua-resty-worker-events' API on top of resty.loom.events, so code written
--- for it runs unchanged. The bus itself is created in init_by_lua with
--- resty.loom.events.new() (it needs its `listen unix:` server); configure()
--- then connects this worker. Differences are listed in docs/events.md.
+-- lua-resty-worker-events' API (resty.worker.events 2.x) on top of
+-- resty.loom.events, so code written for it runs unchanged: the same
+-- options and messages, handler arguments (data, event, source, pid),
+-- handler order and unique-event claims in the shared dict. The bus is
+-- created in init_by_lua with resty.loom.events.new() (it needs its
+-- `listen unix:` server); configure() connects this worker to it.
+-- Differences are listed in docs/events.md, "Compatibility".
 
 
 local events = require "resty.loom.events"
+local common = require "resty.loom.compat.common"
 
 local type = type
 local error = error
 local select = select
-local setmetatable = setmetatable
+local ipairs = ipairs
 local tostring = tostring
+local setmetatable = setmetatable
+local traceback = debug.traceback
+local ngx_log = ngx.log
+local ERR = ngx.ERR
+local DEBUG = ngx.DEBUG
+local local_event = common.local_event
+local unwrap = common.unwrap
+local call = common.call
 
-local SELF = "resty-worker-events"
+local KEY_ONE = "events-one:"           -- shm key claiming a unique event
+-- the field of the table a unique event travels in
+local UNIQUE = "\0resty-worker-events.unique"
+
+local DEFAULT_UNIQUE_TIMEOUT = 2
+local DEFAULT_INTERVAL = 1
+local DEFAULT_WAIT_MAX = 0.5
+local DEFAULT_WAIT_INTERVAL = 0.010
+local DEFAULT_SHM_RETRIES = 999
+-- seconds: less than the bus's exit watch (365 days), so it fires first
+local STOPPING_WATCH = 300 * 86400
+
+-- a level's handler lists, in calling order, and their counts
+local KINDS = { "weak", "strong" }
+local COUNTS = { "nweak", "nstrong" }
 
 
-local _M = { _VERSION = "0.1.0" }
+local _M = { _VERSION = "2.0.1" }
 
 local bus
-local configured = false
--- callback -> { [sub id] = true }; weak callbacks in a weak-keyed table
-local strong = {}
-local weak = setmetatable({}, { __mode = "k" })
+local dict                  -- the shm: configured once set
+local settings = {}         -- the options configure() accepted
+
+-- handlers: a level holds weak and strong lists (called in that order)
+-- and, below it, the levels of each source, then of each event
+local function new_level()
+    return {
+        weak = setmetatable({}, { __mode = "v" }), nweak = 0,
+        strong = {}, nstrong = 0,
+        subs = {},
+    }
+end
+
+local root = new_level()
 
 
-function _M.configure(opts)
-    if opts ~= nil and type(opts) ~= "table" then
-        error("opts must be a table", 2)
+local function level(source, event)
+    local l = root
+    for _, key in ipairs({ source, event }) do
+        local sub = l.subs[key]
+        if not sub then
+            sub = new_level()
+            l.subs[key] = sub
+        end
+        l = sub
     end
-    bus = events.get()
-    if not bus then
-        return nil, "failed to configure: no resty.loom.events bus; create "
-                    .. "one with resty.loom.events.new() in init_by_lua"
+    return l
+end
+
+
+-- calls the handlers of a level, weak ones first; removed or collected
+-- handlers leave a hole that the last one fills, as in worker-events
+local function run_level(l, data, event, source, pid)
+    if not l then
+        return
     end
-    local ok, err = bus:init_worker()
-    if not ok then
-        return nil, err
+    for k = 1, 2 do
+        local kind, count = KINDS[k], COUNTS[k]
+        local list = l[kind]
+        local i = 1
+        while i <= l[count] do
+            local fn = list[i]
+            if type(fn) ~= "function" then
+                list[i] = list[l[count]]
+                list[l[count]] = nil
+                l[count] = l[count] - 1
+            else
+                call(fn, "pid", data, event, source, pid)
+                i = i + 1
+            end
+        end
     end
-    if not configured then
-        -- once per process, as worker-events does
-        configured = true
-        bus:publish("current", SELF, "started", nil)
+end
+
+
+local function do_event(source, event, data, pid)
+    ngx_log(DEBUG, "worker-events: handling event; source=", source,
+            ", event=", event, ", pid=", tostring(pid))
+    run_level(root, data, event, source, pid)
+    local by_source = root.subs[source]
+    if by_source then
+        run_level(by_source, data, event, source, pid)
+        run_level(by_source.subs[event], data, event, source, pid)
+    end
+end
+
+
+-- a unique event runs in the worker that claims it first, for
+-- settings.timeout seconds, as worker-events does with its shm
+local function mine_to_have(unique)
+    local key = KEY_ONE .. tostring(unique)
+    local ok, err = dict:add(key, ngx.worker.pid(), settings.timeout)
+    if ok then
+        return true
+    end
+    if err == "exists" then
+        ngx_log(DEBUG, "worker-events: skipping event ", tostring(unique),
+                " was handled by worker ", tostring(dict:get(key)))
+    else
+        ngx_log(ERR, "worker-events: cannot determine who handles event ",
+                tostring(unique), ", dropping it: ", err)
+    end
+    return false
+end
+
+
+local function on_event(data, event, source, _, pid)
+    local d, is_local = unwrap(data)
+    if is_local then
+        pid = nil
+    elseif type(d) == "table" and d[UNIQUE] ~= nil then
+        if not mine_to_have(d[UNIQUE]) then
+            return
+        end
+        d = d.data
+    end
+    return do_event(source, event, d, pid)
+end
+
+
+local function check_name(source, event)
+    if type(source) ~= "string" or source == "" then
+        return nil, "source is required"
+    end
+    if type(event) ~= "string" or event == "" then
+        return nil, "event is required"
     end
     return true
 end
 
 
-function _M.configured()
-    return configured
-end
-
-
-local function check()
-    if not configured then
-        error("worker-events not configured", 3)
-    end
-end
-
-
--- handlers may be registered before configure(), as worker-events allows:
--- the bus exists from init_by_lua on
-local function the_bus()
-    local b = bus or events.get()
-    if not b then
-        error("no resty.loom.events bus; create one with "
-              .. "resty.loom.events.new() in init_by_lua", 3)
-    end
-    return b
-end
-
-
--- post(source, event, data, unique): to every worker, or to exactly one
--- when "unique" names the event
+-- post(source, event, data, unique): to every worker, or, when unique is
+-- given, run by the one worker that claims it first. Returns true or
+-- nil, err.
 function _M.post(source, event, data, unique)
-    check()
-    local target = "all"
-    if unique ~= nil then
-        target = "unique:" .. tostring(unique)
-    end
-    local ok, err = bus:publish(target, source, event, data)
+    local ok, err = check_name(source, event)
     if not ok then
+        return nil, err
+    end
+    if not bus or not dict then
+        err = "not configured"
+    else
+        if unique ~= nil then
+            data = { [UNIQUE] = unique, data = data }
+        end
+        ok, err = bus:publish("all", source, event, data)
+    end
+    if not ok then
+        err = 'failed posting event "' .. event .. '" by "' .. source
+              .. '"; ' .. tostring(err)
+        ngx_log(ERR, "worker-events: ", traceback(err))
         return nil, err
     end
     return true
@@ -87,8 +182,14 @@ end
 
 
 function _M.post_local(source, event, data)
-    check()
-    local ok, err = bus:publish("current", source, event, data)
+    local ok, err = check_name(source, event)
+    if not ok then
+        return nil, err
+    end
+    if not bus or not dict then
+        return nil, "not configured"
+    end
+    ok, err = bus:publish("current", source, event, local_event(data))
     if not ok then
         return nil, err
     end
@@ -96,110 +197,198 @@ function _M.post_local(source, event, data)
 end
 
 
--- The events are pushed to this worker as they come; poll() runs the
+-- Events are pushed to this worker as they come; poll() runs the
 -- handlers of those already received right away. Returns "done" or
 -- "recursive".
 function _M.poll()
-    check()
+    if not bus or not dict then
+        return nil, "not configured"
+    end
     return bus:poll()
 end
 
 
-local function add(b, book, callback, source, ...)
-    local ids = book[callback] or {}
-    book[callback] = ids
-    -- handlers get (data, event, source, pid), as worker-events gives
-    local function adapter(data, event, src, _, pid)
-        return callback(data, event, src, pid)
+local function on_exit(premature)
+    if premature then
+        _M.post(_M.events._source, _M.events.stopping)
     end
-    local weak_ids
-    if weak == book then
-        -- the subscription must not keep the callback alive; once it is
-        -- collected, its subscriptions remove themselves
-        local ref = setmetatable({ callback }, { __mode = "v" })
-        callback = nil
-        weak_ids = {}
-        adapter = function(data, event, src, _, pid)
-            local cb = ref[1]
-            if cb then
-                return cb(data, event, src, pid)
-            end
-            for id in pairs(weak_ids) do
-                b:unsubscribe(id)
-            end
+end
+
+
+-- a number option, else its value from the last configure(), else the
+-- default; "positive" when 0 is refused too
+local function option(opts, name, default, positive, must_be)
+    local v = opts[name] or settings[name] or default
+    if type(v) ~= "number" then
+        return nil, 'optional "' .. name .. '" option must be a number'
+    end
+    if v < 0 or (positive and v == 0) then
+        return nil, '"' .. name .. '" must be ' .. must_be
+    end
+    return v
+end
+
+
+-- configure(opts): shm (required the first time), timeout, interval,
+-- wait_interval, wait_max, shm_retries, debug; validated as
+-- worker-events does. Connects this worker to the bus.
+function _M.configure(opts)
+    if type(opts) ~= "table" then
+        error("Expected a table, got " .. type(opts), 2)
+    end
+    local shm = opts.shm
+    if shm and dict then
+        return nil, "Already started, cannot change shm"
+    end
+    if not (shm or dict) then
+        return nil, '"shm" option required to start'
+    end
+    local d = dict
+    if shm then
+        d = ngx.shared[shm]
+        if not d then
+            return nil, 'shm "' .. tostring(shm) .. '" not found'
         end
     end
-    local function sub(s, e)
-        local id = b:subscribe(s, e, adapter)
-        ids[id] = { s, e }
-        if weak_ids then
-            weak_ids[id] = true
-        end
+
+    local new = {}
+    local err
+    new.timeout, err = option(opts, "timeout", DEFAULT_UNIQUE_TIMEOUT, true,
+                              "greater than 0")
+    if not err then
+        new.interval, err = option(opts, "interval", DEFAULT_INTERVAL, false,
+                                   "greater than or equal to 0")
     end
-    local n = select("#", ...)
-    if source == nil then
-        sub("*", "*")
-    elseif n == 0 then
-        sub(source, "*")
-    else
-        for i = 1, n do
-            sub(source, (select(i, ...)))
+    if not err then
+        new.wait_interval, err = option(opts, "wait_interval",
+                                        DEFAULT_WAIT_INTERVAL, false,
+                                        "greater than or equal to 0")
+    end
+    if not err then
+        new.wait_max, err = option(opts, "wait_max", DEFAULT_WAIT_MAX, false,
+                                   "greater than or equal to 0")
+    end
+    if not err then
+        new.shm_retries, err = option(opts, "shm_retries",
+                                      DEFAULT_SHM_RETRIES, false,
+                                      "0 or greater")
+    end
+    if err then
+        return nil, err
+    end
+
+    local b = events.get()
+    if not b then
+        return nil, "failed to configure: no resty.loom.events bus; create "
+                    .. "one with resty.loom.events.new() in init_by_lua"
+    end
+    local ok
+    ok, err = b:init_worker()
+    if not ok then
+        return nil, err
+    end
+    local started = dict ~= nil
+    if bus ~= b then
+        b:subscribe("*", "*", on_event)
+        bus = b
+    end
+    dict = d
+    settings = new
+    if not started then
+        -- a timer far in the future fires early (premature) at worker
+        -- exit, before the bus's own, which then still sends what it has
+        ok, err = ngx.timer.at(STOPPING_WATCH, on_exit)
+        if not ok then
+            return nil, "failed to create timer: " .. err
+        end
+        -- as worker-events celebrates being live
+        ok, err = _M.post(_M.events._source, _M.events.started)
+        if not ok then
+            return nil, err
         end
     end
     return true
 end
 
 
-function _M.register(callback, source, ...)
-    if type(callback) ~= "function" then
-        error("expected function, got " .. type(callback), 2)
-    end
-    return add(the_bus(), strong, callback, source, ...)
+function _M.configured()
+    return dict ~= nil
 end
 
 
-function _M.register_weak(callback, source, ...)
+local function check_callback(callback)
     if type(callback) ~= "function" then
-        error("expected function, got " .. type(callback), 2)
+        error("expected function, got: " .. type(callback), 3)
     end
-    return add(the_bus(), weak, callback, source, ...)
 end
 
 
--- unregister(callback [, source [, event, ...]]): removes the registration
--- made with the same arguments (the catch-all one, the one for a whole
--- source, or those for the events named), as worker-events does; true if
--- anything was removed
-function _M.unregister(callback, source, ...)
-    if type(callback) ~= "function" then
-        error("expected function, got " .. type(callback), 2)
-    end
-    local b = the_bus()
-    local removed = false
+local function add(l, kind, callback)
+    local count = "n" .. kind
+    local n = l[count] + 1
+    l[count] = n
+    l[kind][n] = callback
+end
+
+
+local function register(kind, callback, source, ...)
+    check_callback(callback)
     local n = select("#", ...)
-    for _, book in ipairs({ strong, weak }) do
-        local ids = book[callback]
-        if ids then
-            for id, key in pairs(ids) do
-                local match
-                if source == nil then
-                    match = key[1] == "*"
-                elseif key[1] == source then
-                    match = n == 0 and key[2] == "*"
-                    for i = 1, n do
-                        if key[2] == select(i, ...) then
-                            match = true
-                        end
-                    end
-                end
-                if match then
-                    b:unsubscribe(id)
-                    ids[id] = nil
-                    removed = true
-                end
+    if not source then
+        add(root, kind, callback)
+    elseif n == 0 then
+        add(level(source), kind, callback)
+    else
+        for i = 1, n do
+            add(level(source, (select(i, ...))), kind, callback)
+        end
+    end
+end
+
+
+-- register(callback [, source [, event, ...]]): callback(data, event,
+-- source, pid) for every event, those of a source, or the events named
+function _M.register(callback, source, ...)
+    register("strong", callback, source, ...)
+end
+
+
+-- as register(), holding the callback weakly: once collected, it is no
+-- longer called
+function _M.register_weak(callback, source, ...)
+    register("weak", callback, source, ...)
+end
+
+
+local function remove(l, callback)
+    local removed = false
+    for k = 1, 2 do
+        local list = l[KINDS[k]]
+        for i = 1, l[COUNTS[k]] do
+            if list[i] == callback then
+                list[i] = nil
+                removed = true
             end
-            if next(ids) == nil then
-                book[callback] = nil
+        end
+    end
+    return removed
+end
+
+
+-- unregister(callback [, source [, event, ...]]): removes the
+-- registration made with the same level; true if anything was removed
+function _M.unregister(callback, source, ...)
+    check_callback(callback)
+    local n = select("#", ...)
+    local removed = false
+    if not source then
+        removed = remove(root, callback)
+    elseif n == 0 then
+        removed = remove(level(source), callback)
+    else
+        for i = 1, n do
+            if remove(level(source, (select(i, ...))), callback) then
+                removed = true
             end
         end
     end
@@ -222,8 +411,9 @@ function _M.event_list(source, ...)
 end
 
 
--- the library's own events; "stopping" is never posted (see the docs)
-_M.events = _M.event_list(SELF, "started", "stopping")
+-- the library's own events: "started" posted by the first configure(),
+-- "stopping" when the worker exits
+_M.events = _M.event_list("resty-worker-events", "started", "stopping")
 
 
 return _M

@@ -33,6 +33,8 @@ local xpcall = xpcall
 local unpack = unpack
 local tostring = tostring
 local setmetatable = setmetatable
+local getmetatable = getmetatable
+local tonumber = tonumber
 local pairs = pairs
 local str_find = string.find
 local str_sub = string.sub
@@ -97,6 +99,7 @@ local ID_SPAN = 16777216            -- 2^24 ids
 local GEN_SPAN = 268435456          -- 2^28 generations
 local MAX_STACK = 12
 local MAX_CACHED = 4096
+local MANY_ARGS = 255       -- job.nargs for 255 or more: the count is argv.n
 
 
 local _M = {
@@ -106,8 +109,97 @@ local _M = {
 local mt = { __index = _M }
 
 
--- the traceback starts at the frame that raised the error
-local on_error = traceback
+-- ngx.timer turns a delay into whole milliseconds, an unsigned integer
+-- added to its signed clock: NaN, negative delays and delays of 2^63 ms or
+-- more expire at once, while every() refuses a delay that truncates to
+-- 0 ms (which 2^64 ms or more, inf included, wrap to). The positional forms
+-- of at() and every() keep those outcomes, so that patch() is drop-in.
+local WRAP_MS = 2 ^ 63
+local ZERO_MS = 2 ^ 64
+local MAX_SECONDS = 1e9     -- about 31 years: longer is a mistake
+
+
+local function seconds_from(v)
+    return type(v) == "number" and v >= 0 and v <= MAX_SECONDS
+end
+
+
+local function seconds_over(v)
+    return type(v) == "number" and v > 0 and v <= MAX_SECONDS
+end
+
+
+local function interval_ok(v)
+    return type(v) == "number" and v >= 0.001 and v <= MAX_SECONDS
+end
+
+
+local function is_string(v)
+    return type(v) == "string"
+end
+
+
+local function is_boolean(v)
+    return type(v) == "boolean"
+end
+
+
+local function is_mode(v)
+    return MODES[v] ~= nil
+end
+
+
+-- the options of at() and every(): name -> { check, what it must be }.
+-- An option is added here and nowhere else.
+local SECONDS = "a number of seconds from 0 to 1e9"
+local COMMON_OPTS = {
+    name = { is_string, "a string" },
+    replace = { is_boolean, "a boolean" },
+    jitter = { seconds_from, SECONDS },
+    max_run_time = { seconds_over, "a number of seconds over 0, at most 1e9" },
+}
+local AT_OPTS = { delay = { seconds_from, SECONDS } }
+local EVERY_OPTS = {
+    interval = { interval_ok, "a number of seconds from 0.001 to 1e9" },
+    delay = { seconds_from, SECONDS },
+    mode = { is_mode, "\"fixed_rate\" or \"fixed_delay\"" },
+}
+for k, v in pairs(COMMON_OPTS) do
+    AT_OPTS[k] = v
+    EVERY_OPTS[k] = v
+end
+_M.AT_OPTS = AT_OPTS
+_M.EVERY_OPTS = EVERY_OPTS
+
+
+local ok_cjson, cjson = pcall(require, "cjson.safe")
+local json_encode = ok_cjson and cjson.encode or nil
+
+
+-- an error value as text: a table without __tostring as JSON when it
+-- encodes ("table: 0x..." says nothing)
+local function describe(err)
+    if type(err) == "string" then
+        return err
+    end
+    if type(err) == "table" and json_encode then
+        local mt_ = getmetatable(err)
+        if not (mt_ and mt_.__tostring) then
+            local s = json_encode(err)
+            if s then
+                return s
+            end
+        end
+    end
+    return tostring(err)
+end
+
+
+-- the traceback starts at the frame that raised the error (level 2: the
+-- frame below this handler)
+local function on_error(err)
+    return traceback(describe(err), 2)
+end
 
 
 local function default_log(_, msg)
@@ -121,7 +213,7 @@ function _M.new(opts)
         error("opts must be a table", 2)
     end
     local res = opts.resolution or 0.01
-    if type(res) ~= "number" or res < 0.001 or res > 1 then
+    if type(res) ~= "number" or not (res >= 0.001 and res <= 1) then
         error("opts.resolution must be a number between 0.001 and 1", 2)
     end
     local clock = opts.clock
@@ -129,12 +221,15 @@ function _M.new(opts)
         error("opts.clock must be a function", 2)
     end
     local max_rt = opts.max_run_time
-    if max_rt ~= nil and (type(max_rt) ~= "number" or max_rt <= 0) then
-        error("opts.max_run_time must be a positive number", 2)
+    if max_rt ~= nil and not seconds_over(max_rt) then
+        error("opts.max_run_time must be a number of seconds over 0, "
+              .. "at most 1e9", 2)
     end
     local max_names = opts.max_names or 1000
-    if type(max_names) ~= "number" or max_names < 0 then
-        error("opts.max_names must be a number >= 0", 2)
+    if type(max_names) ~= "number"
+       or not (max_names >= 0 and max_names <= 1e6)
+    then
+        error("opts.max_names must be a number from 0 to 1e6", 2)
     end
     local cap = 1024
     local res_us = floor(res * 1e6 + 0.5)
@@ -150,9 +245,12 @@ function _M.new(opts)
         with_stats = opts.stats ~= false,
         precise_sites = opts.precise_sites and true or false,
         site_level = opts.site_level or 3,  -- stack level of at()'s caller
+        err_level = opts.err_level or 2,    -- error() level of at()'s caller
         max_rt = max_rt and max_rt * 1e6 or nil,
         max_names = max_names,
         sleep_until = nil,          -- set by the driver while it sleeps
+        last_site = nil,            -- watchdog site and name of the last run
+        last_name = nil,
         wheel = wheel.new(floor(now / res_us), cap),
         store = store,
         jobs = store.ptr,
@@ -369,6 +467,16 @@ local function is_ours(src)
 end
 
 
+-- a chunk's file path in full ("@path" sources), else its short name
+local function path_of(info)
+    local src = info.source
+    if str_sub(src, 1, 1) == "@" then
+        return str_sub(src, 2)
+    end
+    return info.short_src
+end
+
+
 -- the statistics record of the place that created a timer. Without
 -- precise_sites the place is looked up once per callback function (the
 -- first creation with it) and cached, which keeps at() JIT-compiled.
@@ -398,6 +506,12 @@ local function site_for(self, cb)
     rec = self.sites[key]
     if not rec then
         rec = new_record("site", key)
+        local def = getinfo(cb, "S")
+        -- "<created at>|<callback defined at>", full paths: what the
+        -- watchdog reports when this timer's callback stalls the loop
+        rec.watchdog_site = (info and (path_of(info) .. ":"
+                                       .. info.currentline) or "?")
+                            .. "|" .. path_of(def) .. ":" .. def.linedefined
         local frames = {}
         local n = 0
         while info and n < MAX_STACK do
@@ -412,7 +526,6 @@ local function site_for(self, cb)
         for i = n, 1, -1 do
             folded[#folded + 1] = frames[i]
         end
-        local def = getinfo(cb, "S")
         folded[#folded + 1] = "callback " .. def.short_src .. ":"
                               .. def.linedefined
         rec.stack = tbl_concat(folded, ";")
@@ -485,14 +598,16 @@ local function add(self, delay, interval, mode, opts, cb, n, ...)
     j.interval = interval * 1e6
     j.mode = mode
     j.flags = 0
-    j.nargs = n
+    j.nargs = n < MANY_ARGS and n or MANY_ARGS
     self.cb[id] = cb
     if n > 0 then
         local v1, v2 = ...
         self.a1[id] = v1
         if n > 1 then
             self.a2[id] = v2
-            if n > 2 then
+            if n >= MANY_ARGS then
+                self.argv[id] = { n = n, ... }
+            elseif n > 2 then
                 self.argv[id] = { ... }
             end
         end
@@ -537,18 +652,62 @@ local function add(self, delay, interval, mode, opts, cb, n, ...)
 end
 
 
-local function check_opts(opts, level)
-    local name = opts.name
-    if name ~= nil and type(name) ~= "string" then
-        error("opts.name must be a string", level)
+-- raises at the level of the API's caller: err_level counts from at() or
+-- every(), and every caller of argerror() is a helper called by them
+local function argerror(self, fname, msg)
+    error("bad argument to '" .. fname .. "' (" .. msg .. ")",
+          self.err_level + 2)
+end
+
+
+local function check_opts(self, fname, opts, spec, required)
+    for k, v in pairs(opts) do
+        local c = spec[k]
+        if not c then
+            argerror(self, fname, "opts." .. tostring(k) .. " is not an option")
+        end
+        if not c[1](v) then
+            argerror(self, fname, "opts." .. k .. " must be " .. c[2])
+        end
     end
-    local jitter = opts.jitter
-    if jitter ~= nil and (type(jitter) ~= "number" or jitter < 0) then
-        error("opts.jitter must be a number >= 0", level)
+    if opts[required] == nil then
+        argerror(self, fname, "opts." .. required .. " is required")
     end
-    local mrt = opts.max_run_time
-    if mrt ~= nil and (type(mrt) ~= "number" or mrt <= 0) then
-        error("opts.max_run_time must be a positive number", level)
+end
+
+
+-- the positional delay of at() or interval of every(): a number, or a
+-- string that reads as one (ngx.timer accepts both)
+local function number_arg(self, fname, v)
+    if type(v) == "number" then
+        return v
+    end
+    local n = type(v) == "string" and tonumber(v)
+    if not n then
+        argerror(self, fname, "number or options table expected, got "
+                 .. type(v))
+    end
+    return n
+end
+
+
+local function native_interval(self, v)
+    local ms = v * 1000
+    if ms ~= ms or ms <= -1 or (ms >= WRAP_MS and ms < ZERO_MS) then
+        -- ngx.timer.every runs it on every event-loop turn: every tick
+        return self.res / 1e6
+    end
+    if ms < 1 or ms >= ZERO_MS then
+        argerror(self, "every", "interval must be at least 0.001 s and "
+                 .. "under 2^64 ms; ngx.timer.every: delay cannot be zero")
+    end
+    return v
+end
+
+
+local function check_callback(self, fname, cb)
+    if type(cb) ~= "function" then
+        argerror(self, fname, "callback must be a function")
     end
 end
 
@@ -556,28 +715,18 @@ end
 -- at(delay | opts, callback, ...) -> handle | nil, err
 function _M.at(self, delay, cb, ...)
     local opts
-    if type(delay) ~= "number" then
-        if type(delay) ~= "table" then
-            error("delay must be a number or an options table", 2)
-        end
+    if type(delay) == "table" then
         opts = delay
-        check_opts(opts, 3)
-        delay = opts.delay or 0
-        if type(delay) ~= "number" then
-            error("opts.delay must be a number", 2)
+        check_opts(self, "at", opts, AT_OPTS, "delay")
+        delay = opts.delay
+    else
+        delay = number_arg(self, "at", delay)
+        if not (delay > 0 and delay * 1000 < WRAP_MS) then
+            delay = 0           -- NaN, <= 0 or past the wrap: at once
         end
     end
-    if delay ~= delay or delay < 0 then
-        error("delay must be >= 0", 2)
-    end
-    if type(cb) ~= "function" then
-        error("callback must be a function", 2)
-    end
-    local n = select("#", ...)
-    if n > 255 then
-        error("too many arguments", 2)
-    end
-    return add(self, delay, 0, ONCE, opts, cb, n, ...)
+    check_callback(self, "at", cb)
+    return add(self, delay, 0, ONCE, opts, cb, select("#", ...), ...)
 end
 
 
@@ -586,41 +735,18 @@ function _M.every(self, interval, cb, ...)
     local opts
     local mode = FIXED_RATE
     local delay
-    if type(interval) ~= "number" then
-        if type(interval) ~= "table" then
-            error("interval must be a number or an options table", 2)
-        end
+    if type(interval) == "table" then
         opts = interval
-        check_opts(opts, 3)
+        check_opts(self, "every", opts, EVERY_OPTS, "interval")
         interval = opts.interval
-        if type(interval) ~= "number" then
-            error("opts.interval must be a number", 2)
-        end
-        if opts.mode ~= nil then
-            mode = MODES[opts.mode]
-            if not mode then
-                error("opts.mode must be \"fixed_rate\" or \"fixed_delay\"",
-                      2)
-            end
-        end
+        mode = MODES[opts.mode or "fixed_rate"]
         delay = opts.delay
-        if delay ~= nil and (type(delay) ~= "number" or delay ~= delay
-                              or delay < 0)
-        then
-            error("opts.delay must be a number >= 0", 2)
-        end
+    else
+        interval = native_interval(self, number_arg(self, "every", interval))
     end
-    if interval ~= interval or interval <= 0 then
-        error("interval must be > 0", 2)
-    end
-    if type(cb) ~= "function" then
-        error("callback must be a function", 2)
-    end
-    local n = select("#", ...)
-    if n > 255 then
-        error("too many arguments", 2)
-    end
-    return add(self, delay or interval, interval, mode, opts, cb, n, ...)
+    check_callback(self, "every", cb)
+    return add(self, delay or interval, interval, mode, opts, cb,
+               select("#", ...), ...)
 end
 
 
@@ -880,7 +1006,11 @@ function _M.run_next(self, now)
     local mode = j.mode
     local totals = self.totals
     j.state = RUNNING
-    if mode == ONCE and band(j.flags, F_EXTRA) ~= 0 then
+    local extra = band(j.flags, F_EXTRA) ~= 0
+    -- read by the watchdog (src/ngx_loom_watchdog.c looks for locals of
+    -- these names) when the callback stalls the event loop
+    local loom_timer_name = extra and self.name_of[id] or nil
+    if mode == ONCE and extra then
         release_name(self, id)      -- so the callback may reuse the name
     end
 
@@ -893,9 +1023,11 @@ function _M.run_next(self, now)
         return true
     end
 
-    local extra = band(j.flags, F_EXTRA) ~= 0
     local si = j.site
     local rec = si ~= 0 and self.site_list[si] or nil
+    -- without statistics the site is unknown: "|" still marks this frame
+    -- as the one that runs the callback
+    local loom_timer_site = rec and rec.watchdog_site or "|"
     local nrec = extra and self.nrec[id] or nil
     if rec then
         rec.running = rec.running + 1
@@ -920,8 +1052,15 @@ function _M.run_next(self, now)
         ok, err = xpcall(fn, on_error, prem, self.a1[id], self.a2[id])
     else
         local argv = self.argv[id]
+        if n == MANY_ARGS then
+            n = argv.n
+        end
         ok, err = xpcall(fn, on_error, prem, unpack(argv, 1, n))
     end
+    -- used after the call, so that the JIT keeps both slots live during
+    -- it (a dead slot may hold a stale value when a trace exits)
+    self.last_site = loom_timer_site
+    self.last_name = loom_timer_name
 
     local t1 = clock()
     self.last_end = t1

@@ -1,0 +1,62 @@
+-- What both compatibility modules need beyond the bus: marking events a
+-- worker posts to itself (the peers give their handlers no origin for
+-- those), and running a callback the way the peers do, logging a failure
+-- with their message.
+
+
+local cjson = require "cjson.safe"
+
+local type = type
+local xpcall = xpcall
+local tostring = tostring
+local setmetatable = setmetatable
+local getmetatable = getmetatable
+local traceback = debug.traceback
+local ngx_log = ngx.log
+local ERR = ngx.ERR
+
+
+local _M = { _VERSION = "0.1.0" }
+
+-- "current" events travel by reference inside the worker, so a metatable
+-- marks them
+local LOCAL = {}
+
+
+function _M.local_event(data)
+    return setmetatable({ data }, LOCAL)
+end
+
+
+-- the data of an event, and whether it was posted locally
+function _M.unwrap(data)
+    if type(data) == "table" and getmetatable(data) == LOCAL then
+        return data[1], true
+    end
+    return data, false
+end
+
+
+-- calls handler(data, event, source, who); on error logs the peers'
+-- line, who_name being "wid" or "pid"
+function _M.call(handler, who_name, data, event, source, who)
+    local ok, err = xpcall(handler, traceback, data, event, source, who)
+    if not ok then
+        local str
+        if type(data) == "table" then
+            local e
+            str, e = cjson.encode(data)
+            if not str then
+                str = tostring(e)
+            end
+        else
+            str = tostring(data)
+        end
+        ngx_log(ERR, "worker-events: event callback failed; source=", source,
+                ", event=", event, ", ", who_name, "=", tostring(who),
+                " error='", tostring(err), "', data=", str)
+    end
+end
+
+
+return _M
