@@ -18,9 +18,10 @@ import pytest
 
 from loomtest.nginx import BAD_LOG, NGINX, ROOT, free_port
 
-RUN_LANGS = {"nginx", "lua", "sh", "rust", "go", "python", "c", "toml"}
+RUN_LANGS = {"nginx", "lua", "sh", "rust", "go", "python", "c", "toml",
+             "java"}
 COMMENT = {"nginx": "#", "sh": "#", "python": "#", "toml": "#",
-           "lua": "--", "rust": "//", "go": "//", "c": "//"}
+           "lua": "--", "rust": "//", "go": "//", "c": "//", "java": "//"}
 PAGES = ["README.md"] + sorted(
     os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs",
                                                              "*.md")))

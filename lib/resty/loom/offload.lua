@@ -298,7 +298,20 @@ function _M.load(name, config, opts)
 end
 
 
-function _M.call(self, payload, opts)
+function _M.call(self, payload, opts, named_opts)
+    if type(opts) == "string" then
+        -- rt:call(name, data[, opts]) for runtimes that dispatch by name
+        -- (Lua, Java): the request is the name, a NUL byte, the data
+        if type(payload) ~= "string" or payload == ""
+           or str_find(payload, "\0", 1, true)
+        then
+            error("name must be a non-empty string without NUL bytes", 2)
+        end
+
+        payload = payload .. "\0" .. opts
+        opts = named_opts
+    end
+
     local phase = ngx_get_phase()
     if not YIELDABLE[phase] then
         return nil, "API disabled in the context of " .. phase
