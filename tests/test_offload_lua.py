@@ -270,3 +270,30 @@ def test_reload_and_quit(nginx):
     n.quit()
     th.join()
     assert out[0].status == 200 and out[0].text == "slept"
+
+
+def test_os_execute_gets_the_exit_status(nginx):
+    # nginx's SIGCHLD handler reaped these children before the offload
+    # fix: os.execute returned -1 for about half the calls
+    n = start(nginx, threads=2, server="""
+    location /exec {
+        content_by_lua_block {
+            local ths = {}
+            for i = 1, 20 do
+                ths[i] = ngx.thread.spawn(function()
+                    return LUA_RT:call("offload_lua_handlers.execute",
+                                       "exit " .. (i % 4))
+                end)
+            end
+            local out = {}
+            for i = 1, 20 do
+                local _, res = ngx.thread.wait(ths[i])
+                out[i] = res
+            end
+            ngx.say(table.concat(out, ","))
+        }
+    }
+    """)
+    got = n.get("/exec", timeout=20).text.strip().split(",")
+    # LuaJIT's os.execute returns the wait status: exit code * 256
+    assert got == [str((i % 4) * 256) for i in range(1, 21)]
