@@ -322,3 +322,81 @@ def test_parse_url_and_bad_options(nginx):
     assert out[5][0] is None and "no host" in out[5][1]
     assert out[6][0] is False and "opts.port" in out[6][1]
     assert out[7][0] is False and "opts.scheme" in out[7][1]
+
+
+NAMED_CLIENT = """
+location = /named { content_by_lua_block {
+    local cjson = require "cjson"
+    local http = require "resty.loom.http"
+    local args = ngx.req.get_uri_args()
+    local c = http.new({ host = args.host, port = tonumber(args.port),
+                         timeout = tonumber(args.timeout) })
+    local t0 = ngx.now()
+    local res, err, permanent = c:request("GET", "/")
+    ngx.update_time()
+    ngx.say(cjson.encode({ status = res and res.status, err = err,
+                           permanent = permanent or false,
+                           elapsed = ngx.now() - t0 }))
+} }
+"""
+
+
+def named(n, host, port, timeout):
+    r = n.get("/named?host=%s&port=%d&timeout=%s" % (host, port, timeout),
+              timeout=60)
+    assert r.status == 200, r
+    return r.json()
+
+
+def test_timeout_covers_a_resolver_that_never_answers(nginx):
+    from pubsub.dns import FakeDNS
+    dns = FakeDNS("silent")
+    try:
+        # (an abandoned lookup holds a graceful exit until resolver_timeout:
+        # 6 s keeps the test short and still far above the request's 1 s)
+        n = nginx(workers=1, server=NAMED_CLIENT, http="""
+            resolver %s ipv6=off;
+            resolver_timeout 6s;""" % dns.addr)
+        res = named(n, "never.test", 80, 1)
+        assert res["err"] == "failed to connect: timeout", res
+        assert res["permanent"] is False
+        # the one-second limit, not the resolver's 6 s (slack for a busy
+        # machine)
+        assert 0.9 <= res["elapsed"] < 4, res
+        assert "never.test" in dns.queries
+        # the worker is fine afterwards: a second lookup is cut the same way
+        res = named(n, "never2.test", 80, 0.5)
+        assert res["err"] == "failed to connect: timeout", res
+        assert res["elapsed"] < 4, res
+        n.quit()
+    finally:
+        dns.close()
+
+
+def test_resolution_failures_say_whether_they_are_permanent(nginx):
+    from pubsub.dns import FakeDNS
+    srv = RawServer(keepalive_handler([ok(b"named")]))
+    nx = FakeDNS({"good.test": "127.0.0.1"})
+    sf = FakeDNS("servfail")
+    try:
+        n = nginx(workers=1, server=NAMED_CLIENT, http="""
+            resolver %s ipv6=off;""" % nx.addr)
+        res = named(n, "good.test", srv.port, 5)
+        assert res.get("status") == 200 and "err" not in res, res
+        res = named(n, "missing.test", srv.port, 5)
+        assert "could not be resolved (3: " in res["err"], res
+        assert res["permanent"] is True
+        n2 = nginx(workers=1, server=NAMED_CLIENT, http="""
+            resolver %s ipv6=off;""" % sf.addr)
+        res = named(n2, "any.test", srv.port, 5)
+        assert "could not be resolved (2: " in res["err"], res
+        assert res["permanent"] is False
+        n3 = nginx(workers=1, server=NAMED_CLIENT)
+        n3.allow_log(r"no resolver defined to resolve")
+        res = named(n3, "any.test", srv.port, 5)
+        assert "no resolver defined" in res["err"], res
+        assert res["permanent"] is True
+    finally:
+        srv.close()
+        nx.close()
+        sf.close()
