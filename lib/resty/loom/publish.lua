@@ -65,6 +65,7 @@ local RECYCLE_BYTES = 2 * 1024 * 1024   -- keep batch buffers up to this
 local BODY_PIECE = 64 * 1024
 local IDLE_WAIT = 2
 local EXIT_WATCH = 3600
+local GC_STEP_BYTES = 4 * 1024 * 1024
 
 -- canonical statuses worth retrying (the body's error.status)
 local RETRY_STATUS = {
@@ -654,6 +655,8 @@ local function dispatch(self, b)
     local free = self.free_bufs
     if bytes <= RECYCLE_BYTES and #free < self.concurrency + 2 then
         free[#free + 1] = buf
+    else
+        buf:free()
     end
 
     local first = ngx_now()
@@ -781,6 +784,16 @@ local function dispatch(self, b)
     then
         self.queues[q.key] = nil
     end
+    -- The body pieces are garbage now. With a full buffer the collector's
+    -- threshold sits at twice the buffer, and an idle worker never reaches
+    -- it: pay for what was made, so that memory follows the buffer down.
+    body = nil      -- luacheck: ignore
+    local garbage = self.garbage + bytes
+    if garbage >= GC_STEP_BYTES then
+        collectgarbage("step", floor(garbage / 1024))
+        garbage = 0
+    end
+    self.garbage = garbage
     local sema = self.sema
     if sema:count() < self.concurrency then
         sema:post(1)
@@ -1265,6 +1278,7 @@ function _M.new(opts)
         scratch = buf_new(2048),
         scratch_tail = buf_new(2048),
         free_bufs = {},
+        garbage = 0,             -- bytes of body pieces not yet collected
         running = false,
         exiting = false,
         exit_deadline = nil,
