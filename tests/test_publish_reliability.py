@@ -4,7 +4,9 @@ refused before anything is made, what cannot succeed is not retried, and
 trouble shows in the error log without flooding it."""
 
 import collections
+import glob
 import json
+import os
 import re
 import signal
 import threading
@@ -29,15 +31,14 @@ def fake():
 
 
 def reported(path):
-    """(reason, data) of every message handed to on_error (err_file)."""
+    """(reason, data) of every message handed to on_error (err_file, one
+    file per worker)."""
     out = []
-    try:
-        with open(path) as f:
+    for name in glob.glob(path + ".*"):
+        with open(name) as f:
             for line in f:
                 e = json.loads(line)
                 out += [(e["reason"], d.encode()) for d in e["datas"]]
-    except FileNotFoundError:
-        pass
     return out
 
 
@@ -48,7 +49,6 @@ def stop_fast(n, timeout=20):
     deadline = time.time() + timeout
     while time.time() < deadline:
         try:
-            import os
             os.kill(pid, 0)
         except ProcessLookupError:
             break
@@ -296,3 +296,28 @@ def test_exit_drain_keeps_to_flush_timeout(nginx, fake, tmp_path):
     n.wait_log(r"flushed at exit: sent 0, failed 500, dropped 0")
     rep = reported(err_file)
     assert sorted(d for _, d in rep) == sorted(H.expected_datas(500, "ex"))
+
+
+def test_shutdown_timeout_cutting_the_drain_loses_nothing_silently(
+        nginx, fake, tmp_path):
+    # worker_shutdown_timeout (1 s) ends the graceful exit before the
+    # flush budget (3 s) does: nginx closes the connections in flight and
+    # the worker exits; what it still held is reported
+    fake.default = ("hang", 30)
+    err_file = str(tmp_path / "errors.jsonl")
+    n = H.publisher(nginx, {"emulator_host": fake.host,
+                            "batch_max_delay": 60, "flush_timeout": 3,
+                            "concurrency": 2, "err_file": err_file},
+                    workers=2, shutdown_timeout="1s")
+    n.allow_log(LEFT.pattern)
+    ok, _ = H.send(n, 5000, "cut", per_request=1000)
+    assert ok == 5000
+    n.quit()
+    rep = reported(err_file)
+    assert sorted(d for _, d in rep) == sorted(
+        H.expected_datas(5000, "cut", per_request=1000))
+    assert fake.message_count == 0
+    # every worker says what it failed to deliver
+    failed = re.findall(r"flushed at exit: sent 0, failed (\d+)",
+                        n.error_log())
+    assert len(failed) == 2 and sum(int(f) for f in failed) == 5000

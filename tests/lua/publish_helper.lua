@@ -21,8 +21,8 @@ function _M.init_worker(conf_json)
     local conf = assert(cjson.decode(conf_json))
     local shm = ngx.shared.pubtest
     local record_ids = conf.record_ids
-    -- err_file: on_error also appends a JSON line per call to this file,
-    -- which outlives nginx (the shared dict does not)
+    -- err_file: on_error also appends a JSON line per call to
+    -- <err_file>.<pid>, which outlives nginx (the shared dict does not)
     local err_file = conf.err_file
     conf.on_success = function(ids, info)
         shm:incr("ok_ids", #ids, 0)
@@ -43,7 +43,8 @@ function _M.init_worker(conf_json)
                         attrs = msgs[1] and msgs[1].attributes }
         record("err", entry)
         if err_file then
-            local f = assert(io.open(err_file, "a"))
+            local f = assert(io.open(err_file .. "." .. ngx.worker.pid(),
+                                     "a"))
             f:write(cjson.encode(entry), "\n")
             f:close()
         end
