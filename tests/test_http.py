@@ -311,6 +311,17 @@ def test_parse_url_and_bad_options(nginx):
         out[#out + 1] = { ok, err }
         ok, err = pcall(http.new, { host = "x", scheme = "gopher" })
         out[#out + 1] = { ok, err }
+        for _, o in ipairs({ { host = "x", read_timout = 1 },
+                             { host = "x", port = 0/0 },
+                             { host = "x", port = 80.5 },
+                             { host = "x", pool_size = 0/0 },
+                             { host = "x", timeout = 1/0 },
+                             { host = "x", connect_timeout = 0 },
+                             { host = "x", ssl_verify = "no" },
+                             { host = "x", max_body = -1 } }) do
+            ok, err = pcall(http.new, o)
+            out[#out + 1] = { ok, err }
+        end
         ngx.say(cjson.encode(out))
     } }""")
     out = n.get("/p").json()
@@ -322,6 +333,13 @@ def test_parse_url_and_bad_options(nginx):
     assert out[5][0] is None and "no host" in out[5][1]
     assert out[6][0] is False and "opts.port" in out[6][1]
     assert out[7][0] is False and "opts.scheme" in out[7][1]
+    want = ["opts.read_timout: unknown option", "opts.port must be",
+            "opts.port must be", "opts.pool_size must be",
+            "opts.timeout must be", "opts.connect_timeout must be",
+            "opts.ssl_verify must be a boolean", "opts.max_body must be"]
+    for (ok_, err), text in zip(out[8:], want):
+        assert ok_ is False and text in err, (err, text)
+    assert len(out) == 8 + len(want)
 
 
 NAMED_CLIENT = """

@@ -255,6 +255,11 @@ def test_token_endpoint_refusal_fails_at_once(nginx, fake, pki, status,
     assert "failed to fetch token: status %d" % status in err["reason"]
     assert fake.requests == []
     assert n.get("/stats").json()["retried"] == 0
+    # more batches within 5 s fail the same way without asking again
+    asked = len(fake.token_requests)
+    ok, _ = H.send(n, 10, "tok2")
+    assert H.wait_for(lambda: H.results(n)["err_msgs"] == 20, 10)
+    assert len(fake.token_requests) == asked
 
 
 def test_unverified_certificate_fails_at_once(nginx, fake, pki):

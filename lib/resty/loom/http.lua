@@ -31,6 +31,12 @@ local pcall = pcall
 local DEFAULT_PORTS = { http = 80, https = 443 }
 local MAX_HEADER_LINES = 200
 local DEFAULT_MAX_BODY = 64 * 1024 * 1024
+local OPTIONS = {
+    url = true, scheme = true, host = true, port = true, ssl_verify = true,
+    server_name = true, connect_timeout = true, send_timeout = true,
+    read_timeout = true, timeout = true, keepalive_timeout = true,
+    pool_size = true, max_body = true,
+}
 
 
 local _M = { _VERSION = "0.1.0" }
@@ -87,6 +93,11 @@ function _M.new(opts)
     if type(opts) ~= "table" then
         error("opts must be a table", 2)
     end
+    for k in pairs(opts) do
+        if not OPTIONS[k] then
+            error("opts." .. tostring(k) .. ": unknown option", 2)
+        end
+    end
     local scheme, host, port = opts.scheme or "http", opts.host, opts.port
     if opts.url ~= nil then
         scheme, host, port = _M.parse_url(opts.url)
@@ -101,7 +112,9 @@ function _M.new(opts)
         error("opts.host must be a non-empty string", 2)
     end
     port = port or DEFAULT_PORTS[scheme]
-    if type(port) ~= "number" or port < 1 or port > 65535 then
+    if type(port) ~= "number" or not (port >= 1 and port <= 65535)
+       or port % 1 ~= 0
+    then
         error("opts.port must be a port number", 2)
     end
     local function secs(name, default)
@@ -121,16 +134,32 @@ function _M.new(opts)
     local timeout = secs("timeout",
                          connect_timeout + send_timeout + read_timeout)
     local ssl_verify = opts.ssl_verify
+    if ssl_verify ~= nil and type(ssl_verify) ~= "boolean" then
+        error("opts.ssl_verify must be a boolean", 2)
+    end
     if ssl_verify == nil then
         ssl_verify = true
     end
+    local pool_size = opts.pool_size or 32
+    if type(pool_size) ~= "number" or not (pool_size >= 1
+                                           and pool_size <= 100000)
+       or pool_size % 1 ~= 0
+    then
+        error("opts.pool_size must be a whole number from 1 to 100000", 2)
+    end
+    local max_body = opts.max_body or DEFAULT_MAX_BODY
+    if type(max_body) ~= "number" or not (max_body >= 0 and max_body <= 2^40)
+    then
+        error("opts.max_body must be a number of bytes from 0 to 2^40", 2)
+    end
     local server_name = opts.server_name
+    if server_name ~= nil and (type(server_name) ~= "string"
+                               or server_name == "")
+    then
+        error("opts.server_name must be a non-empty string", 2)
+    end
     if server_name == nil and scheme == "https" then
         server_name = host
-    end
-    local pool_size = opts.pool_size or 32
-    if type(pool_size) ~= "number" or pool_size < 1 then
-        error("opts.pool_size must be a positive number", 2)
     end
     local host_header = host
     if port ~= DEFAULT_PORTS[scheme] then
@@ -157,7 +186,7 @@ function _M.new(opts)
         timeout = timeout,
         keepalive_timeout = secs("keepalive_timeout", 60) * 1000,
         pool_size = pool_size,
-        max_body = opts.max_body or DEFAULT_MAX_BODY,
+        max_body = max_body,
         pool_opts = { pool = concat({ scheme, host, tostring(port),
                                       server_name or "",
                                       ssl_verify and "v" or "n" }, ":") },

@@ -40,6 +40,7 @@ local DEFAULT_METADATA_HOST = "169.254.169.254"
 local JWT_LIFETIME = 3600
 local LOCK_TTL = 30
 local WAIT_STEP = 0.02
+local REFUSED_WAIT = 5
 
 -- one credential object per worker per identity, shared by all publishers
 local registry = {}
@@ -209,6 +210,11 @@ end
 local function refresh(self)
     local shm = self.shm
     local key = self.key
+    -- a refusal (bad key, revoked account) stands for a while: publishing
+    -- must not ask the token endpoint again for every batch
+    if self.refused_until and ngx_now() < self.refused_until then
+        return nil, self.refused, true
+    end
     if shm then
         local ok = shm:add(self.lock_key, ngx.worker.pid(), LOCK_TTL)
         if not ok then
@@ -235,6 +241,10 @@ local function refresh(self)
             shm:delete(self.lock_key)
         end
         self.failures = self.failures + 1
+        if permanent then
+            self.refused = ttl
+            self.refused_until = ngx_now() + REFUSED_WAIT
+        end
         return nil, ttl, permanent
     end
     local now = ngx_now()
