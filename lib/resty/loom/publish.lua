@@ -65,7 +65,8 @@ local RECYCLE_BYTES = 2 * 1024 * 1024   -- keep batch buffers up to this
 local BODY_PIECE = 64 * 1024
 local IDLE_WAIT = 2
 local EXIT_WATCH = 3600
-local GC_STEP_BYTES = 4 * 1024 * 1024
+local GC_STEP_BYTES = 4 * 1024 * 1024     -- collector steps while draining
+local BACKLOG_BYTES = 16 * 1024 * 1024    -- a buffer this big is a backlog
 
 -- canonical statuses worth retrying (the body's error.status)
 local RETRY_STATUS = {
@@ -630,6 +631,9 @@ local function dispatch(self, b)
     local q = b.q
     fifo_pop(q.batches)
     local n, bytes = b.n, b.bytes
+    if self.queued_bytes + self.inflight_bytes >= BACKLOG_BYTES then
+        self.backlog = true
+    end
     self.queued_messages = self.queued_messages - n
     self.queued_bytes = self.queued_bytes - bytes
     self.inflight_messages = self.inflight_messages + n
@@ -784,16 +788,24 @@ local function dispatch(self, b)
     then
         self.queues[q.key] = nil
     end
-    -- The body pieces are garbage now. With a full buffer the collector's
-    -- threshold sits at twice the buffer, and an idle worker never reaches
-    -- it: pay for what was made, so that memory follows the buffer down.
-    body = nil      -- luacheck: ignore
-    local garbage = self.garbage + bytes
-    if garbage >= GC_STEP_BYTES then
-        collectgarbage("step", floor(garbage / 1024))
-        garbage = 0
+    -- The body pieces are garbage now. After a backlog the collector's
+    -- threshold sits at about twice the peak buffer, and a worker that
+    -- goes idle never reaches it: while draining one, pay for what was
+    -- made, so that memory follows the buffer down. (Without a backlog the
+    -- collector's own pace is fine, and costs nothing extra.)
+    if self.backlog then
+        body = nil      -- luacheck: ignore
+        local garbage = self.garbage + bytes
+        local empty = self.queued_bytes + self.inflight_bytes == 0
+        if garbage >= GC_STEP_BYTES or empty then
+            collectgarbage("step", floor(garbage / 1024) + 1)
+            garbage = 0
+            if empty then
+                self.backlog = false
+            end
+        end
+        self.garbage = garbage
     end
-    self.garbage = garbage
     local sema = self.sema
     if sema:count() < self.concurrency then
         sema:post(1)
@@ -1278,6 +1290,7 @@ function _M.new(opts)
         scratch = buf_new(2048),
         scratch_tail = buf_new(2048),
         free_bufs = {},
+        backlog = false,         -- draining a big buffer: see dispatch()
         garbage = 0,             -- bytes of body pieces not yet collected
         running = false,
         exiting = false,
