@@ -418,3 +418,41 @@ def test_resolution_failures_say_whether_they_are_permanent(nginx):
         srv.close()
         nx.close()
         sf.close()
+
+
+def test_pooled_connections_to_a_name_spawn_no_thread(nginx):
+    # a light thread lives in its request's memory until the request ends
+    # (a publisher's timer runs for days): only a connect that may resolve
+    # a name gets one, not one per request on a kept-alive connection
+    from pubsub.dns import FakeDNS
+    srv = RawServer(keepalive_handler([ok(b"k")]))
+    dns = FakeDNS({"keep.test": "127.0.0.1"})
+    try:
+        n = nginx(workers=1, http="resolver %s ipv6=off;" % dns.addr,
+                  server="""
+        location = /t { content_by_lua_block {
+            local spawn = ngx.thread.spawn
+            local spawned = 0
+            ngx.thread.spawn = function(...)
+                spawned = spawned + 1
+                return spawn(...)
+            end
+            package.loaded["resty.loom.http"] = nil
+            local http = require "resty.loom.http"
+            ngx.thread.spawn = spawn
+            local c = http.new({ host = "keep.test",
+                                 port = tonumber(ngx.var.arg_port) })
+            local bodies = 0
+            for i = 1, 50 do
+                local res = c:request("GET", "/")
+                if res and res.body == "k" then
+                    bodies = bodies + 1
+                end
+            end
+            ngx.say(bodies, " ", spawned, " ", c.connects)
+        } }""")
+        r = n.get("/t?port=%d" % srv.port)
+        assert r.text.split() == ["50", "1", "1"], r.text
+    finally:
+        srv.close()
+        dns.close()

@@ -191,6 +191,8 @@ function _M.new(opts)
                                       server_name or "",
                                       ssl_verify and "v" or "n" }, ":") },
         -- counters
+        idle = 0,           -- connections this client left in the pool
+        idle_until = 0,     -- when the last of them times out there
         connects = 0,
         reuses = 0,
         requests = 0,
@@ -229,6 +231,8 @@ end
 -- Connects to a host name. nginx's resolver waits resolver_timeout (30 s
 -- by default) for an answer, whatever the socket's connect timeout; the
 -- connect runs in a light thread and is abandoned when the limit passes.
+-- (Each light thread costs its request memory until the request ends, so
+-- this is kept for connects that may resolve: see connect().)
 local function connect_named(self, sock, limit_ms)
     local done = sema_new(0)
     local out = {}
@@ -260,12 +264,24 @@ local function connect(self, deadline)
     if not arm(self, sock, deadline) then
         return nil, "failed to connect: timeout"
     end
+    -- A name is resolved only when the pool has no idle connection: while
+    -- this client left some there, connect straight away (no thread).
     local ok, err
-    if self.named then
+    local pooled = self.idle
+    if pooled > 0 and ngx_now() >= self.idle_until then
+        pooled = 0      -- the pool's keepalive timeout closed them
+        self.idle = 0
+    end
+    if self.named and pooled == 0 then
         ok, err = connect_named(self, sock,
                                 min(self.connect_timeout, left_ms(deadline)))
     else
         ok, err = sock:connect(self.host, self.port, self.pool_opts)
+    end
+    if pooled > 0 then
+        -- one fewer idle; none at all if the pool had none left (the
+        -- server closed them)
+        self.idle = (ok and sock:getreusedtimes() > 0) and pooled - 1 or 0
     end
     if not ok then
         return nil, "failed to connect: " .. err,
@@ -532,7 +548,14 @@ function _M.request(self, method, path, headers, body, timeout)
         end
         if res then
             if keep then
-                sock:setkeepalive(self.keepalive_timeout, self.pool_size)
+                if sock:setkeepalive(self.keepalive_timeout,
+                                     self.pool_size)
+                   and self.idle < self.pool_size
+                then
+                    self.idle = self.idle + 1
+                    self.idle_until = ngx_now()
+                                      + self.keepalive_timeout / 1000
+                end
             else
                 sock:close()
             end
