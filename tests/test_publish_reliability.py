@@ -121,6 +121,8 @@ location = /bad { content_by_lua_block {
         { "misspelled credentials", { project = "p", topic = "topic-x",
                                       emulator_host = false,
                                       credentials = { tokn = "abc" } } },
+        { "credentials with emulator", with({ credentials = {
+                                                  key_fle = "/x" } }) },
         { "credentials margin", { project = "p", topic = "topic-x",
                                   emulator_host = false,
                                   credentials = { token = "abc",
@@ -164,6 +166,9 @@ def test_bad_options_refused_before_anything_is_made(nginx):
                               "token or type")
     says("misspelled credentials", "opts.credentials.tokn: unknown option")
     says("credentials margin", "opts.credentials.refresh_margin must be")
+    # unused with the emulator, still checked
+    says("credentials with emulator",
+         "opts.credentials.key_fle: unknown option")
     for name in NUMBERS:
         for v in ("nan", "inf", "-inf", "0", "-1", "1"):
             case = [c for c in res if c.startswith(name + "=")

@@ -1215,6 +1215,10 @@ function _M.new(opts)
         if type(emulator) ~= "string" then
             error("opts.emulator_host must be host:port or false", 2)
         end
+        -- unused here, but a mistake in them must not wait for production
+        if cred_opts ~= nil then
+            auth.check(cred_opts, "opts.credentials")
+        end
         endpoint = "http://" .. emulator
         cred_opts = { type = "none" }
     elseif cred_opts == nil then

@@ -114,9 +114,13 @@ local function secs(opts, name, default, label)
 end
 
 
--- raises unless every key of opts is a known credentials option of the
--- right type, and the table says which credentials it is
+-- auth.check(opts, label): raises unless every key of opts is a known
+-- credentials option of the right type, and the table says which
+-- credentials it is
 local function check(opts, label)
+    if type(opts) ~= "table" then
+        error(label .. " must be a table", 3)
+    end
     for k, v in pairs(opts) do
         if not OPTIONS[k] then
             error(label .. "." .. tostring(k) .. ": unknown option", 3)
@@ -405,9 +409,6 @@ end
 --   opts.timeout (10 s), opts.ssl_verify (true), opts.audience
 function _M.new(opts, label)
     label = label or "credentials"
-    if type(opts) ~= "table" then
-        error(label .. " must be a table", 2)
-    end
     check(opts, label)
     local kind = opts.type
     if kind == nil then
@@ -528,6 +529,11 @@ function _M.new(opts, label)
     setmetatable(self, mt)
     registry[reg_key] = self
     return self
+end
+
+
+function _M.check(opts, label)
+    check(opts, label or "credentials")
 end
 
 
