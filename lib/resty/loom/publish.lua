@@ -802,6 +802,12 @@ local function dispatch(self, b)
             garbage = 0
             if empty then
                 self.backlog = false
+                -- the recycled buffers grew with the backlog
+                local free = self.free_bufs
+                for i = #free, 1, -1 do
+                    free[i]:free()
+                    free[i] = nil
+                end
             end
         end
         self.garbage = garbage
