@@ -21,6 +21,12 @@ LUA_FILES = sorted(os.path.relpath(p, os.path.join(ROOT, "lib"))
                                                    "loom", "**", "*.lua"),
                                       recursive=True))
 MODULES = [p[:-4].replace("/", ".") for p in LUA_FILES]
+# drop-in stand-ins for the peers carry the peer's _VERSION (or are a
+# function, as the peer's module is)
+PEER_MODULES = {"resty.loom.compat.disable_listening",
+                "resty.loom.compat.events", "resty.loom.compat.events_compat",
+                "resty.loom.compat.worker_events"}
+VERSIONED = [m for m in MODULES if m not in PEER_MODULES]
 
 
 def check_conf(tmp_path, load_module, lua_dir):
@@ -31,7 +37,7 @@ def check_conf(tmp_path, load_module, lua_dir):
     requires = "\n".join(
         'assert(package.searchpath("%s", package.path):find("%s", 1, true)'
         ', "%s")\nassert(require("%s")._VERSION == "%s", "%s")'
-        % (m, lua_dir, m, m, VERSION, m) for m in MODULES)
+        % (m, lua_dir, m, m, VERSION, m) for m in VERSIONED)
     conf = """
 load_module /usr/share/nginx/modules/ndk_http_module.so;
 load_module /usr/share/nginx/modules/ngx_http_lua_module.so;
@@ -59,6 +65,8 @@ http {
 
 def test_one_version_everywhere():
     for path in LUA_FILES:
+        if path[:-4].replace("/", ".") in PEER_MODULES:
+            continue
         with open(os.path.join(ROOT, "lib", path)) as f:
             found = re.findall(r'_VERSION = "([^"]+)"', f.read())
         assert found == [VERSION], (path, found)
