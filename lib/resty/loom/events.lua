@@ -77,6 +77,9 @@ local ACK_DELAY = 0.01
 local CONNECT_TIMEOUT = 2
 local SEND_TIMEOUT = 30
 local LOG_INTERVAL = 10
+-- an exiting worker's bus stays up until this long after its last publish
+-- (its requests and timers may go on publishing for a while)
+local EXIT_QUIET = 0.5
 local MAX_PAYLOAD_LIMIT = 64 * 1024 * 1024
 local UNIQUE_KEY_MAX = frame.KEY_MAX
 -- queue bytes the largest event takes beyond its body: event header, the
@@ -283,6 +286,8 @@ function _M.new(opts)
         burst = 0,                  -- publishes since burst_at (ngx.now())
         burst_at = 0,
         stamp_ms = 0,               -- ngx.now() of the last latency sample
+        last_publish = 0,           -- ngx.now() of the last publish
+        stopping = false,           -- exiting: the bus has closed
 
         -- receiving
         inbox = ring.new(),         -- events for the handlers
@@ -738,7 +743,10 @@ local function writer(self, sock, link)
     while true do
         if #self.unsent == 0 then
             if self.stopping then
-                if not send(sock, link, control(T_BYE)) then
+                -- what we received goes confirmed: the broker counts
+                -- the rest as dropped for us
+                if not send(sock, link, control(T_ACK, link.got)
+                                        .. control(T_BYE)) then
                     return nil, link.error
                 end
                 return true
@@ -1017,33 +1025,50 @@ local function client_loop(premature, self)
         ngx_sleep(backoff * (0.5 + random()))
         backoff = min(backoff * 2, 1)
     end
+    -- (only at exit: publishes from now on would never leave)
+    self.stopping = true
     self.connected = false
     self.isema:post(1)
 end
 
 
--- At worker exit: send what is queued, wait for the acks, then stop.
+-- At worker exit the bus stays up while the worker uses it: until
+-- EXIT_QUIET s after its last publish, everything sent and acknowledged,
+-- every handler run, and (on the broker worker) every other worker gone.
+-- Then it says goodbye and publish() returns "closed". Waiting on
+-- something that makes no progress (an unreachable broker, a handler
+-- stuck) ends exit_timeout s after the last publish; what is left then is
+-- counted and logged.
 local function exit_watch(premature, self)
     if not premature then
         return
     end
-    local deadline = ngx_now() + self.opts.exit_timeout
-    while self.pending > 0 and ngx_now() < deadline do
+    local timeout = self.opts.exit_timeout
+    local is_broker = self.worker == self.opts.broker
+    local since = ngx_now()     -- the worker's last use of the bus
+    while true do
+        ngx.update_time()
+        local now = ngx_now()
+        local peers = is_broker and broker.peers(self) > 0
+        if peers or self.last_publish > since then
+            since = peers and now or self.last_publish
+        end
+        if now - since >= EXIT_QUIET and self.pending == 0
+           and inbox_len(self) == 0 then
+            break
+        end
+        if now - since >= timeout and now - since >= EXIT_QUIET then
+            break
+        end
         self.wsema:post(1)
         ngx_sleep(0.01)
-        ngx.update_time()
     end
+    self.stopping = true
     if self.pending > 0 then
+        count(self.counters.dropped, "exit", self.pending)
         log(WARN, "worker exiting with ", self.pending,
             " event(s) not acknowledged by the broker")
     end
-    -- let the handlers drain the inbox
-    deadline = ngx_now() + self.opts.exit_timeout
-    while inbox_len(self) > 0 and ngx_now() < deadline do
-        ngx_sleep(0.01)
-        ngx.update_time()
-    end
-    self.stopping = true
     self.wsema:post(1)
     self.isema:post(1)
 end
@@ -1226,6 +1251,15 @@ function _M.publish(self, target, source, event, data)
     if not self.initialized then
         return nil, "not initialized"
     end
+    if self.stopping then
+        -- the worker is exiting and its bus has said goodbye: nothing
+        -- published now would leave the worker, or be handled
+        count(self.counters.dropped, "closed")
+        warn_once(self, "closed", "worker exiting: publish refused, the "
+                  .. "bus is closed; ", self.counters.dropped.closed,
+                  " so far")
+        return nil, "closed"
+    end
 
     local stats = self.counters.published
     if kind == LOCAL then
@@ -1287,6 +1321,7 @@ function _M.publish(self, target, source, event, data)
     -- both ends, a tenth of an event at full rate; 0 is "not sampled"
     local now = 0
     local ms = ngx_now()
+    self.last_publish = ms
     if ms ~= self.stamp_ms or seq % STAMP_EVERY == 0 then
         self.stamp_ms = ms
         now = mono()

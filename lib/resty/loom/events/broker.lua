@@ -83,7 +83,7 @@ local function state(bus)
     end
     b = {
         queues = {},         -- worker id -> queue
-        conns = 0,
+        remote = 0,          -- connections over the socket
         next_bidx = 1,       -- broker-wide index of forwarded events
         unique = {},         -- key -> expiry
         unique_count = 0,
@@ -96,7 +96,7 @@ local function state(bus)
             dropped = {},    -- reason -> count
             slow_waits = 0,
         },
-        last_warn = 0,
+        last_warn = {},      -- reason -> time of its last warning
         slow_timeout = bus.opts.slow_timeout,
     }
     bus.broker_state = b
@@ -115,6 +115,8 @@ local function queue(b, wid)
             inflight_bidx = nil,-- oldest event in the send under way
             conn = nil,         -- the connection currently attached
             overflowing = false,-- dropping until the writer catches up
+            gone = false,       -- its worker said goodbye: exiting
+            dropped = 0,        -- events dropped for it
             writer = nil,       -- the connection whose writer owns buf
             -- buf starts with what was written to the worker and not yet
             -- acknowledged by it: sent_bytes, sent_events; a record per
@@ -142,8 +144,23 @@ local function wake_writer(q)
 end
 
 
-local function count(t, key)
-    t[key] = (t[key] or 0) + 1
+local function count(t, key, n)
+    t[key] = (t[key] or 0) + (n or 1)
+end
+
+
+-- counts n events dropped for q's worker; a warning per reason at most
+-- once per interval
+local function drop(b, q, reason, n)
+    local dropped = b.stats.dropped
+    count(dropped, reason, n)
+    q.dropped = q.dropped + n
+    local now = ngx_now()
+    if now - (b.last_warn[reason] or 0) >= LOG_INTERVAL then
+        b.last_warn[reason] = now
+        log(WARN, "dropping events for worker ", q.wid, ": ", reason,
+            " (", dropped[reason], " so far)")
+    end
 end
 
 
@@ -466,6 +483,12 @@ end
 -- for room when q is full and its worker is connected. Returns false when
 -- it had to drop it (counted, logged at most once per interval).
 local function enqueue(bus, b, q, seq, bidx, p, len)
+    if q.gone then
+        -- (nobody will read it: its worker is exiting, and no successor
+        -- comes in this generation)
+        drop(b, q, "worker gone", 1)
+        return false
+    end
     local opts = bus.opts
     local max_n, max_bytes = opts.max_queue, opts.max_queue_bytes
     local used = #q.buf - q.sent_bytes + len
@@ -482,15 +505,8 @@ local function enqueue(bus, b, q, seq, bidx, p, len)
     if unwritten(q) >= max_n or #q.buf - q.sent_bytes + len > max_bytes then
         -- no more waiting for this worker until its writer catches up
         q.overflowing = true
-        local reason = q.conn and "subscriber too slow"
-                       or "worker down, queue full"
-        count(b.stats.dropped, reason)
-        local now = ngx_now()
-        if now - b.last_warn >= LOG_INTERVAL then
-            b.last_warn = now
-            log(WARN, "dropping events for worker ", q.wid, ": ", reason,
-                " (", b.stats.dropped[reason], " so far)")
-        end
+        drop(b, q, q.conn and "subscriber too slow"
+                   or "worker down, queue full", 1)
         return false
     end
     frame.put_chunked(q.buf, T_EVENT, seq, p, len)
@@ -701,6 +717,10 @@ local function attach(b, q, c)
         q.data_sema:post(1)
     end
     q.conn = c
+    q.gone = false
+    if c.sock then
+        b.remote = b.remote + 1
+    end
     b.stats.accepted = b.stats.accepted + 1
     b.stats.connections = b.stats.connections + 1
 end
@@ -715,6 +735,20 @@ local function detach(b, q, c)
             q.inflight_bidx = nil
             q.send_since = nil
         end
+        if c.bye and not q.writer then
+            -- its worker is exiting: what it did not confirm, and what
+            -- comes for it from now on, is dropped and counted, not kept
+            -- for a successor that this generation will not start
+            q.gone = true
+            if q.n > 0 then
+                drop(b, q, "worker gone", q.n)
+            end
+            q.buf:reset()
+            q.n, q.first_bidx = 0, nil
+        end
+    end
+    if c.sock then
+        b.remote = b.remote - 1
     end
     b.stats.connections = b.stats.connections - 1
     send_acks(b)
@@ -823,6 +857,7 @@ function _M.serve(bus)
         log(INFO, "worker ", wid, " (pid ", pid, ") connected")
         local wt = spawn(writer, b, q, c)
         local rok, rerr = reader(bus, b, c)
+        c.bye = rok == true
         c.closed = true
         q.data_sema:post(1)
         -- a writer stuck in a send to a dead peer is stopped here; what
@@ -884,10 +919,19 @@ end
 function _M.detach_local(bus, c)
     local b = bus.broker_state
     local q = c.q
+    -- (only at exit)
+    c.bye = true
     c.closed = true
     q.data_sema:post(1)
     ngx.thread.wait(c.thread)
     detach(b, q, c)
+end
+
+
+-- Workers connected over the socket (the broker worker's own link is not).
+function _M.peers(bus)
+    local b = bus.broker_state
+    return b and b.remote or 0
 end
 
 
