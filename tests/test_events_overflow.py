@@ -328,3 +328,92 @@ def test_wait_for_room_sleeps_to_its_deadline(nginx):
     st = ec.states(n)
     assert st[1]["pid"] == publisher
     assert st[1]["stats"]["dropped"].get("queue full", 0) > 10
+
+
+# worker 1's handler stalls until the test releases it; worker 0 publishes
+# small events to worker 1 as fast as the bus takes them, and records the
+# largest backlog for worker 1 at the broker and who the broker says is slow
+BACKLOG = """
+    local bus = require("resty.loom.events").get()
+    local d = ngx.shared.backlog
+    if ngx.worker.id() == 1 then
+        bus:subscribe("slow", "e", function()
+            while not d:get("release") do
+                ngx.sleep(0.05)
+            end
+        end)
+        ngx.timer.every(0.01, function()
+            local inbox = bus:stats().queue.inbox
+            if inbox > (d:get("inbox") or 0) then
+                d:set("inbox", inbox)
+            end
+        end)
+    else
+        ngx.timer.at(0.5, function()
+            local sent = 0
+            local deadline = ngx.now() + 30
+            while sent < 300000 and ngx.now() < deadline
+                  and not d:get("release") do
+                for _ = 1, 500 do
+                    if not bus:publish(1, "slow", "e", sent) then
+                        break
+                    end
+                    sent = sent + 1
+                end
+                local b = bus:stats().broker
+                local q = b.queues["1"]
+                if q and q.events > (d:get("broker") or 0) then
+                    d:set("broker", q.events)
+                end
+                if b.dropped["subscriber too slow"] and not d:get("slow") then
+                    d:set("slow", require("cjson").encode(b.slow or {}))
+                    d:set("at_drop", (d:get("broker") or 0)
+                                     + (d:get("inbox") or 0))
+                end
+                d:set("sent", sent)
+                ngx.sleep(0.001)
+            end
+        end)
+    end
+"""
+
+BACKLOG_SERVER = ec.SERVER + """
+    location = /backlog { content_by_lua_block {
+        local d = ngx.shared.backlog
+        if ngx.var.arg_release then
+            d:set("release", true)
+        end
+        local out = {}
+        for _, k in ipairs(d:get_keys(0)) do
+            out[k] = d:get(k)
+        end
+        ngx.say(require("cjson").encode(out))
+    } }
+"""
+
+
+def test_slow_subscriber_backlog_bounded_by_default(nginx):
+    """A handler stalls while another worker publishes to it as fast as it
+    can, with the default options: the events waiting for it (at the
+    broker and in its inbox) stay within 2 x max_backlog (10,000) plus what
+    the sockets hold before the broker drops for it, and the broker's
+    stats name it as slow."""
+    n = nginx(workers=2, http="lua_shared_dict backlog 1m;\n"
+              + ec.http(extra_worker=BACKLOG), server=BACKLOG_SERVER)
+    n.allow_log("dropping events for worker 1: subscriber too slow")
+    ec.wait_ready(n)
+    deadline = time.time() + 40
+    while True:
+        d = n.get("/backlog").json()
+        if "slow" in d or time.time() > deadline:
+            break
+        time.sleep(0.2)
+    n.get("/backlog?release=1")
+    assert "slow" in d, d
+    assert d["slow"] == "[1]", d
+    # (the reader stops at the bound: plus one read of 64 KiB)
+    assert d["inbox"] <= 11000, d
+    # (queued and written to it, unconfirmed)
+    assert d["broker"] <= 20000, d
+    # (plus what the socket buffers between them hold)
+    assert d["at_drop"] <= 25000, d

@@ -81,6 +81,13 @@ local LOG_INTERVAL = 10
 -- (its requests and timers may go on publishing for a while)
 local EXIT_QUIET = 0.5
 local MAX_PAYLOAD_LIMIT = 64 * 1024 * 1024
+-- default bound of the events waiting for one subscriber, in its inbox and
+-- again at the broker: what a stalled handler leaves stale before drops
+local BACKLOG = 10000
+-- beyond these, an option is a mistake
+local MAX_EVENTS = 100000000
+local MAX_BYTES = 2 ^ 40
+local MAX_SECONDS = 86400
 local UNIQUE_KEY_MAX = frame.KEY_MAX
 -- queue bytes the largest event takes beyond its body: event header, the
 -- longest unique key, each frame's header and trailer (256 frames at most)
@@ -100,6 +107,7 @@ local DEFAULTS = {
     broker = 0,
     max_queue = 100000,
     max_queue_bytes = 64 * 1024 * 1024,
+    max_backlog = false,        -- min(max_queue, BACKLOG)
     max_payload = 1024 * 1024,
     overflow = "reject",
     wait_timeout = 1,
@@ -203,12 +211,13 @@ local function check_opts(opts)
                   .. (hi and (" and <= " .. hi) or ""), 4)
         end
     end
-    -- (seconds: nginx's timers count whole milliseconds)
+    -- (seconds: nginx's timers count whole milliseconds; NaN compares
+    -- false with everything, so it fails "lo <= v")
     local function seconds(name, lo)
         local v = o[name]
-        if type(v) ~= "number" or v < lo then
+        if type(v) ~= "number" or not (lo <= v and v <= MAX_SECONDS) then
             error("opts." .. name .. " must be a number >= " .. lo
-                  .. " (seconds)", 4)
+                  .. " and <= " .. MAX_SECONDS .. " (seconds)", 4)
         end
     end
 
@@ -216,8 +225,12 @@ local function check_opts(opts)
         o.slow_timeout = 2 * (tonumber(o.heartbeat) or 1)
     end
     int("broker", 0)
-    int("max_queue", 1)
-    int("max_queue_bytes", 1024)
+    int("max_queue", 1, MAX_EVENTS)
+    if not o.max_backlog then
+        o.max_backlog = min(o.max_queue, BACKLOG)
+    end
+    int("max_backlog", 1, MAX_EVENTS)
+    int("max_queue_bytes", 1024, MAX_BYTES)
     int("max_payload", 1, MAX_PAYLOAD_LIMIT)
     seconds("wait_timeout", 0.001)
     seconds("unique_window", 0.001)
@@ -653,7 +666,7 @@ end
 -- handler waits for room to publish (see make_room)
 local function wait_inbox_room(self, link)
     local d = self.dispatch
-    while inbox_len(self) >= self.opts.max_queue and not link.closed
+    while inbox_len(self) >= self.opts.max_backlog and not link.closed
           and not (d.waiting and d[1]) do
         self.rwaiters = self.rwaiters + 1
         self.rspace:wait(1)

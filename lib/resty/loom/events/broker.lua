@@ -185,14 +185,19 @@ end
 -- slow_timeout, or that has not acknowledged a write that old. It holds
 -- nobody's acknowledgements back (what is queued for it is then lost to
 -- it if the broker crashes as well).
+local function too_slow(q, now, slow)
+    local _, _, _, _, sent_at = q.sent:first()
+    return q.overflowing or (q.send_since and now - q.send_since >= slow)
+           or (sent_at and now - sent_at >= slow)
+end
+
+
 local function watermark(b, slow)
     local low = b.next_bidx
     local now = ngx_now()
     for _, q in pairs(b.queues) do
-        local _, _, _, sent_bidx, sent_at = q.sent:first()
-        if q.conn and not q.overflowing
-           and not (q.send_since and now - q.send_since >= slow)
-           and not (sent_at and now - sent_at >= slow) then
+        if q.conn and not too_slow(q, now, slow) then
+            local _, _, _, sent_bidx = q.sent:first()
             -- the oldest of: unacknowledged, being written, queued (an
             -- enqueue that waited may put an earlier event behind a send)
             local i = sent_bidx
@@ -490,7 +495,7 @@ local function enqueue(bus, b, q, seq, bidx, p, len)
         return false
     end
     local opts = bus.opts
-    local max_n, max_bytes = opts.max_queue, opts.max_queue_bytes
+    local max_n, max_bytes = opts.max_backlog, opts.max_queue_bytes
     local used = #q.buf - q.sent_bytes + len
     if (unwritten(q) >= max_n or used > max_bytes)
        and q.conn and not q.overflowing then
@@ -941,13 +946,24 @@ function _M.stats(bus)
         return nil
     end
     local queues = {}
+    local slow = {}
+    local now = ngx_now()
     for wid, q in pairs(b.queues) do
+        local is_slow = q.conn ~= nil
+                        and too_slow(q, now, b.slow_timeout) and true
+                        or false
         queues[tostring(wid)] = {
             events = unwritten(q) + q.sent_events,
             bytes = #q.buf,
             connected = q.conn ~= nil,
+            slow = is_slow,
+            dropped = q.dropped,
         }
+        if is_slow then
+            slow[#slow + 1] = wid
+        end
     end
+    table.sort(slow)
     local s = b.stats
     return {
         connections = s.connections,
@@ -957,6 +973,7 @@ function _M.stats(bus)
         unique_suppressed = s.unique_suppressed,
         dropped = s.dropped,
         slow_waits = s.slow_waits,
+        slow = slow,
         queues = queues,
     }
 end
