@@ -448,12 +448,7 @@ RELOAD_EXIT = """
 
 RELOAD_SERVER = ec.SERVER + """
     location = /rl { content_by_lua_block {
-        local d = ngx.shared.rl
-        local out = {}
-        for _, k in ipairs(d:get_keys(0)) do
-            out[k] = d:get(k)
-        end
-        ngx.say(require("cjson").encode(out))
+        require("events_helper").dump_dict("rl")
     } }
 """
 

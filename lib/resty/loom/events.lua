@@ -55,6 +55,7 @@ local T_PONG = frame.PONG
 local T_REJECT = frame.REJECT
 local T_HELLO = frame.HELLO
 local T_BYE = frame.BYE
+local T_URGENT = frame.URGENT
 local FRAME_SIZE = frame.FRAME_SIZE
 local EVENT_SIZE = frame.EVENT_SIZE
 local ALL = frame.ALL
@@ -97,6 +98,7 @@ local EVENT_ROOM = 8192
 -- rest are published (publish-to-handler p99 at half the raw bus's rate:
 -- 1.5-3.9 ms with 1,000, 0.09 ms with 64)
 local BURST = 64
+local HANDLER_SHARE = 2     -- handlers may fill 1/2 of the publisher queue
 local STAMP_EVERY = 8       -- latency sampling, see publish()
 local WAIT_PHASES = {
     rewrite = true, access = true, content = true, timer = true,
@@ -286,6 +288,8 @@ function _M.new(opts)
         others_seq = 0,
         direct_seq = {},
         unsent = buf_new(65536),
+        urgent = buf_new(256),      -- urgent events (collect) to send
+        local_link = nil,           -- the broker worker's link to it
         spare = buf_new(65536),     -- the broker worker's second unsent
         unsent_q = fifo.new(),      -- (seq, bytes) per unsent event
         unacked = buf_new(65536),
@@ -339,6 +343,7 @@ function _M.new(opts)
             dropped = {},           -- reason -> count
             gaps = 0,
             duplicates = 0,
+            feedback = 0,           -- handlers publishing what they handle
             reconnects = 0,
             rejected = 0,
         },
@@ -438,6 +443,8 @@ local function run_handler(self, sub, data, event, source, wid, pid)
 end
 
 
+local send_urgent
+
 local function handle_internal(self, event, data, wid)
     if event == "collect" then
         local fn = collectors[data.name]
@@ -449,8 +456,14 @@ local function handle_internal(self, event, data, wid)
                 value = nil
             end
         end
-        self:publish(wid == AGENT and "agent" or wid, INTERNAL, "collected",
-                     { id = data.id, worker = self.worker, value = value })
+        local err
+        ok, err = pcall(send_urgent, self, wid, "collected",
+                        { id = data.id, worker = self.worker,
+                          value = value })
+        if not ok then
+            log(ERR, "failed to answer collect(\"", data.name, "\"): ",
+                err)
+        end
 
     elseif event == "collected" then
         local pend = self.collecting and self.collecting[data.id]
@@ -460,6 +473,62 @@ local function handle_internal(self, event, data, wid)
             pend.sema:post(1)
         end
     end
+end
+
+
+-- collect's requests and answers are urgent events (see frame.lua): sent
+-- ahead of what is queued and handled on arrival, so that a bus full of
+-- events (a feedback loop, a slow handler) still answers. An answer too
+-- large for one frame takes the ordinary way. To this worker (or "all"):
+-- handled here as well. Raises when data cannot be serialised.
+function send_urgent(self, target, event, data)
+    local size = frame.encode_body(INTERNAL, event, data)
+    if size + EVENT_SIZE > CHUNK then
+        local ok, err = self:publish(target == ALL and "all"
+                                     or target == AGENT and "agent"
+                                     or target, INTERNAL, event, data)
+        if not ok then
+            log(ERR, "failed to send ", event, ": ", err)
+        end
+        return
+    end
+    local link = self.local_link
+    if target ~= self.worker and link then
+        -- the broker worker: straight to the broker (its writer may be
+        -- waiting there for room, with a batch of events)
+        local out = buf_new(256)
+        frame.put_urgent(out, target, self.worker, self.pid,
+                         self.incarnation)
+        local ok, err = broker.take_local(self, link, out)
+        if not ok then
+            log(ERR, "failed to hand an urgent event to the broker: ", err)
+        end
+    elseif target ~= self.worker then
+        frame.put_urgent(self.urgent, target, self.worker, self.pid,
+                         self.incarnation)
+        if self.writer_idle then
+            self.writer_idle = false
+            self.wsema:post(1)
+        end
+    end
+    if target == ALL or target == self.worker then
+        handle_internal(self, event, data, self.worker)
+    end
+end
+
+
+local function receive_urgent(self, p, len)
+    local e, why = frame.check_event(p, len)
+    if not e then
+        return nil, why
+    end
+    local ok, source, event, data = pcall(frame.decode_body, p + EVENT_SIZE,
+                                          e.body_len)
+    if not ok or source ~= INTERNAL or type(data) ~= "table" then
+        return nil, "bad urgent event"
+    end
+    handle_internal(self, event, data, e.publisher)
+    return true
 end
 
 
@@ -496,6 +565,7 @@ local function dispatch_next(self, me)
     end
     local d = self.dispatch
     d[1], d.waiting = me, false
+    d.source, d.event = source, event
     dispatch(self, source, event, data, wid, pid)
     d[1] = nil
     return true
@@ -648,6 +718,12 @@ local function consume(self, rbuf, st)
         elseif typ == T_ACK then
             on_ack(self, frame_seq(h))
 
+        elseif typ == T_URGENT then
+            ok, err = receive_urgent(self, pp, h.len)
+            if not ok then
+                return nil, err
+            end
+
         elseif typ == T_REJECT then
             local _, reason = pcall(frame.decode_control, pp, h.len)
             return nil, "rejected by the broker: " .. tostring(reason)
@@ -754,7 +830,7 @@ local function writer(self, sock, link)
     local last_send = ngx_now()
     local hb = self.opts.heartbeat
     while true do
-        if #self.unsent == 0 then
+        if #self.unsent == 0 and #self.urgent == 0 then
             if self.stopping then
                 -- what we received goes confirmed: the broker counts
                 -- the rest as dropped for us
@@ -773,6 +849,12 @@ local function writer(self, sock, link)
         end
         if link.closed then
             return true
+        end
+        if #self.urgent > 0 then
+            if not send(sock, link, self.urgent:get()) then
+                return nil, link.error
+            end
+            last_send = ngx_now()
         end
         local got = link.got
         if got > link.acked
@@ -876,10 +958,17 @@ local function run_local(self)
             return nil, err
         end
         return true
+    end, function(p, len)
+        local ok, err = receive_urgent(self, p, len)
+        if not ok then
+            log(ERR, "failed to handle an urgent event: ", err)
+        end
     end)
+    self.local_link = link.conn
     self.connected = true
     self.ready = true
     local_writer(self, link)
+    self.local_link = nil
     link.closed = true
     self.rspace:post(1)
     broker.detach_local(self, link.conn)
@@ -1151,15 +1240,26 @@ function _M.serve(self)
 end
 
 
-local function full(self, bytes)
+-- share: 1, or HANDLER_SHARE for a publish from a handler, which may only
+-- fill that part of the queue: a handler that publishes what it handles
+-- (a feedback loop) leaves the rest to the worker's requests and timers
+local function full(self, bytes, share)
     local opts = self.opts
-    return self.pending >= opts.max_queue
-           or self.pending_bytes + bytes > opts.max_queue_bytes
+    return self.pending * share >= opts.max_queue
+           or (self.pending_bytes + bytes) * share > opts.max_queue_bytes
 end
 
 
-local function make_room(self, bytes)
-    if not full(self, bytes) then
+-- true when the running coroutine is in a handler (dispatch)
+local function in_handler(self)
+    local d1 = self.dispatch[1]
+    -- (coroutine.running() only then: it is not compiled)
+    return d1 ~= nil and d1 == co_running()
+end
+
+
+local function make_room(self, bytes, share, source, event)
+    if not full(self, bytes, share) then
         return true, false
     end
     local opts = self.opts
@@ -1167,7 +1267,7 @@ local function make_room(self, bytes)
     local waited = false
     if policy == "drop_oldest" then
         local q = self.unsent_q
-        while full(self, bytes) do
+        while full(self, bytes, share) do
             local s, b = q:pop()
             if not s then
                 break
@@ -1185,15 +1285,15 @@ local function make_room(self, bytes)
         -- the handlers up, so the reader must go on reading meanwhile, or
         -- each would wait for the other until wait_timeout.
         local d = self.dispatch
-        local in_handler = d[1] == co_running()
-        if in_handler then
+        local handler = share > 1
+        if handler then
             d.waiting = true
             if self.rwaiters > 0 then
                 self.rspace:post(self.rwaiters)
             end
         end
         local deadline = ngx_now() + opts.wait_timeout
-        while full(self, bytes) do
+        while full(self, bytes, share) do
             local left = deadline - ngx_now()
             if left <= 0 then
                 break
@@ -1203,14 +1303,26 @@ local function make_room(self, bytes)
             self.space:wait(max(left, 0.001))
             waited = true
         end
-        if in_handler then
+        if handler then
             d.waiting = false
         end
     end
-    if full(self, bytes) then
-        count(self.counters.dropped, "queue full")
-        warn_once(self, "full", "queue full: publish refused; ",
-                  self.counters.dropped["queue full"], " so far")
+    if full(self, bytes, share) then
+        local dropped = self.counters.dropped
+        if share == 1 or full(self, bytes, 1) then
+            count(dropped, "queue full")
+            warn_once(self, "full", "queue full: publish refused; ",
+                      dropped["queue full"], " so far")
+        else
+            -- refused for a handler only: name what it handles
+            local d = self.dispatch
+            count(dropped, "handler share")
+            warn_once(self, "share", "handlers fill their half of the "
+                      .. "queue: publish refused to the handler of source=",
+                      d.source, " event=", d.event, " (publishing source=",
+                      source, " event=", event, "); ",
+                      dropped["handler share"], " so far")
+        end
         return nil
     end
     return true, waited
@@ -1306,7 +1418,22 @@ function _M.publish(self, target, source, event, data)
         count(stats, kind == AGENT and "agent" or "worker")
         return true
     end
-    local room, waited = make_room(self, size + EVENT_SIZE + 64)
+    local handler = in_handler(self)
+    if handler then
+        local d = self.dispatch
+        if source == d.source and event == d.event then
+            -- a handler publishing what it handles: a feedback loop, if it
+            -- does so for every one
+            local c = self.counters
+            c.feedback = c.feedback + 1
+            warn_once(self, "feedback", "a handler of source=", source,
+                      " event=", event, " published the same event (a "
+                      .. "feedback loop?); ", c.feedback, " so far")
+        end
+    end
+    local room, waited = make_room(self, size + EVENT_SIZE + 64,
+                                   handler and HANDLER_SHARE or 1, source,
+                                   event)
     if not room then
         return nil, "queue full"
     end
@@ -1334,7 +1461,10 @@ function _M.publish(self, target, source, event, data)
     -- both ends, a tenth of an event at full rate; 0 is "not sampled"
     local now = 0
     local ms = ngx_now()
-    self.last_publish = ms
+    if not handler then
+        -- (what handlers publish keeps no exiting bus up: see exit_watch)
+        self.last_publish = ms
+    end
     if ms ~= self.stamp_ms or seq % STAMP_EVERY == 0 then
         self.stamp_ms = ms
         now = mono()
@@ -1471,6 +1601,7 @@ function _M.stats(self)
         dropped = s.dropped,
         gaps = s.gaps,
         duplicates = s.duplicates,
+        feedback = s.feedback,
         reconnects = s.reconnects,
         rejected = s.rejected,
         queue = {
@@ -1508,11 +1639,16 @@ function _M.collect(self, name, timeout)
     self.collecting = self.collecting or {}
     local pend = { results = {}, n = 0, sema = semaphore.new() }
     self.collecting[id] = pend
-    local ok, err = self:publish("all", INTERNAL, "collect",
-                                 { name = name, id = id })
-    if not ok then
+    local err = not self.initialized and "not initialized"
+                or self.stopping and "closed"
+    if not err then
+        local ok, e = pcall(send_urgent, self, ALL, "collect",
+                            { name = name, id = id })
+        err = not ok and e
+    end
+    if err then
         self.collecting[id] = nil
-        return nil, "failed to collect: " .. err
+        return nil, "failed to collect: " .. tostring(err)
     end
     local want = self.worker_count + (self.opts.privileged_agent and 1 or 0)
     local deadline = ngx_now() + timeout
