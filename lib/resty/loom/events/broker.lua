@@ -595,7 +595,7 @@ local function forward_urgent(bus, b, c, p, len)
     for wid = first, last do
         local q = b.queues[wid]
         local to = q and q.conn
-        if wid == c.wid then
+        if wid == c.wid then -- luacheck: ignore 542
             -- (the sender answers itself)
         elseif not to then
             b.stats.urgent_missed = b.stats.urgent_missed + 1
