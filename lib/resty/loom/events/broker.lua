@@ -389,6 +389,13 @@ end
 local function deliver_queued(q, c)
     local batch = q.buf
     q.buf, c.spare = c.spare, batch
+    -- taken: room for what waits to be queued meanwhile (the handlers may
+    -- keep deliver waiting, as a socket keeps what it was written)
+    c.written = c.batch_events
+    local waiting = -q.space_sema:count()
+    if waiting > 0 then
+        q.space_sema:post(waiting)
+    end
     local ok, err = c.deliver(batch)
     batch:reset()
     if not ok then
