@@ -226,7 +226,8 @@ def test_broadcast_mix_of_current_and_all_across_workers(nginx):
 
 def test_new_rejects_bad_options_like_the_peer(nginx):
     """events.t 5: new() raises, with the peer's text after `file:line: `,
-    for each wrong option."""
+    for each wrong option; NaN, infinities and a fractional broker_id
+    (which the peer takes) are refused as well."""
     server = r"""
     location = /test { content_by_lua_block {
         local ev = require("resty.loom.compat.events")
@@ -243,6 +244,16 @@ def test_new_rejects_bad_options_like_the_peer(nginx):
             {listening = "unix:x", max_payload_len = 2^24 + 1},
             {listening = "unix:x", enable_privileged_agent = "invalid"},
             {listening = "unix:x", testing = "yes"},
+            -- taken by the peer, refused here (NaN turned the bus's
+            -- unique window off, inf suppressed a unique target forever)
+            {broker_id = 0/0}, {broker_id = 0.5},
+            {listening = "unix:x", unique_timeout = 0/0},
+            {listening = "unix:x", unique_timeout = 1/0},
+            {listening = "unix:x", max_queue_len = 0/0},
+            {listening = "unix:x", max_queue_len = 1/0},
+            {listening = "unix:x", max_payload_len = 0/0},
+            -- the bus's own check, at the caller's line too
+            {listening = "unix:x"},
         }) do
             local ok, err = pcall(function() ev.new(opts) end)
             assert(not ok)
@@ -273,6 +284,14 @@ def test_new_rejects_bad_options_like_the_peer(nginx):
         '"max_payload_len" option is invalid',
         '"enable_privileged_agent" option must be a boolean',
         '"testing" option must be a boolean',
+        '"broker_id" option is invalid',
+        '"broker_id" option is invalid',
+        '"unique_timeout" must be greater than 0',
+        '"unique_timeout" option must be a finite number',
+        '"max_queue_len" option is invalid',
+        '"max_queue_len" option must be a finite number',
+        '"max_payload_len" option is invalid',
+        "opts.socket must be an absolute path shorter than 108 bytes",
         'Expected a table, got string',
     ]
 
