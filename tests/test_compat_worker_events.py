@@ -363,6 +363,16 @@ CONFIGURE_CASES = [
      'optional "shm_retries" option must be a number'),
     ('{ shm = "worker_events", shm_retries = -1 }',
      '"shm_retries" must be 0 or greater'),
+    # taken by the peer, refused here: a timeout of NaN or inf made the
+    # first claim of a unique key last for ever
+    ('{ shm = "worker_events", timeout = 0/0 }',
+     '"timeout" must be greater than 0'),
+    ('{ shm = "worker_events", timeout = 1/0 }',
+     '"timeout" must be a finite number'),
+    ('{ shm = "worker_events", interval = 0/0 }',
+     '"interval" must be greater than or equal to 0'),
+    ('{ shm = "worker_events", wait_max = 1/0 }',
+     '"wait_max" must be a finite number'),
 ]
 
 
