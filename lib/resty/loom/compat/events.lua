@@ -256,18 +256,25 @@ function _M.is_ready(self)
 end
 
 
+-- raises, at the line of publish()'s or subscribe()'s caller, as
+-- lua-resty-events does for a missing source or event
+local function check_names(source, event)
+    if type(source) ~= "string" or source == "" then
+        error("source is required", 3)
+    end
+    if type(event) ~= "string" or event == "" then
+        error("event is required", 3)
+    end
+end
+
+
 -- publish(target, source, event, data): target "all", "current", or any
 -- other string naming a unique event (delivered to one worker)
 function _M.publish(self, target, source, event, data)
     if type(target) ~= "string" or target == "" then
         error("target is required", 2)
     end
-    if type(source) ~= "string" or source == "" then
-        error("source is required", 2)
-    end
-    if type(event) ~= "string" or event == "" then
-        error("event is required", 2)
-    end
+    check_names(source, event)
     if self.opts.testing then
         -- synchronous, in this process, as lua-resty-events' testing mode
         dispatch(self, source, event, data, nil)
@@ -306,12 +313,7 @@ end
 -- subscribe(source, event, callback): callback(data, event, source, wid);
 -- returns an id for unsubscribe()
 function _M.subscribe(self, source, event, callback)
-    if type(source) ~= "string" or source == "" then
-        error("source is required", 2)
-    end
-    if type(event) ~= "string" or event == "" then
-        error("event is required", 2)
-    end
+    check_names(source, event)
     if type(callback) ~= "function" then
         error("expected function, got: " .. type(callback), 2)
     end

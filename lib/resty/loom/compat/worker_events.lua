@@ -98,7 +98,7 @@ end
 
 local function run_handlers(source, event, data, pid)
     ngx_log(DEBUG, "worker-events: handling event; source=", source,
-            ", event=", event, ", pid=", tostring(pid))
+            ", event=", event, ", pid=", pid)
     run_level(root, data, event, source, pid)
     local by_source = root.subs[source]
     if by_source then
