@@ -803,3 +803,15 @@ def test_publish_before_init_worker_bounded_by_max_queue_len(nginx):
         "refused 3 failed to publish event: queue overflow",
         "h source=s, event=early1, who=0, by=0, data=x",
         "h source=s, event=early2, who=0, by=0, data=x"]
+
+
+def test_resty_events_compat_poll_before_configure(nginx):
+    """events-compat: poll() answers "done" before configure(), as the
+    peer's does (it raised "attempt to index a nil value")."""
+    server = """
+    location = /test { content_by_lua_block {
+        ngx.say(require("resty.loom.compat.events_compat").poll())
+    } }
+    """
+    n = nginx(workers=1, server=server)
+    assert n.get("/test").text == "done\n"

@@ -99,10 +99,11 @@ end
 
 
 -- runs the handlers of the events already received; "done" (or
--- "recursive" from a handler)
+-- "recursive" from a handler), also before configure() as in the peer
 function _M.poll()
-    if ev.bus then
-        return ev.bus:poll()
+    local bus = ev and ev.bus
+    if bus then
+        return bus:poll()
     end
     return "done"
 end
