@@ -524,3 +524,26 @@ def test_many_large_posts_complete_and_arrive(nginx):
     assert sorted(re.search(r"by=(\d)", l).group(1) for l in got) == \
         ["0"] * 100 + ["1"] * 100
     assert all(l.endswith("data=#512000") for l in got)
+
+
+def test_event_list_refuses_unknown_names(nginx):
+    """README's event_list(): the names given and _source; any other name
+    raises "event '<name>' is an unknown event" at the caller's line; the
+    library's own list holds started and stopping."""
+    server = r"""
+    location = /t { content_by_lua_block {
+        local we = require "resty.loom.compat.worker_events"
+        local list = we.event_list("my-source", "created", "deleted")
+        ngx.say(list._source, " ", list.created, " ", list.deleted)
+        local ok, err = pcall(function() return list.udpated end)
+        ngx.say(ok, " ", err)
+        ngx.say(we.events._source, " ", we.events.started, " ",
+                we.events.stopping)
+    } }
+    """
+    n = nginx(workers=1, http=conf(register=False), server=server)
+    lines = n.get("/t").text.splitlines()
+    assert lines[0] == "my-source created deleted"
+    assert re.match(r"false content_by_lua\(nginx\.conf:\d+\):\d+: "
+                    r"event 'udpated' is an unknown event$", lines[1]), lines
+    assert lines[2] == "resty-worker-events started stopping"

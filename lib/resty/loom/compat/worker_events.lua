@@ -298,7 +298,7 @@ function _M.configure(opts)
         if not ok then
             return nil, "failed to create timer: " .. err
         end
-        -- as worker-events celebrates being live
+        -- every worker learns that this one is up
         ok, err = _M.post(_M.events._source, _M.events.started)
         if not ok then
             return nil, err
@@ -393,18 +393,22 @@ function _M.unregister(callback, source, ...)
 end
 
 
--- A table of event names that errors on a name it does not hold.
+-- an event list raises on a name it does not hold (a misspelt event)
+local UNKNOWN_EVENT = {
+    __index = function(_, key)
+        error("event '" .. tostring(key) .. "' is an unknown event", 2)
+    end,
+}
+
+
+-- event_list(source, name, ...): { _source = source, [name] = name, ... }
 function _M.event_list(source, ...)
     local list = { _source = source }
     for i = 1, select("#", ...) do
-        local ev = select(i, ...)
-        list[ev] = ev
+        local name = select(i, ...)
+        list[name] = name
     end
-    return setmetatable(list, {
-        __index = function(_, key)
-            error("event '" .. tostring(key) .. "' is an unknown event", 2)
-        end,
-    })
+    return setmetatable(list, UNKNOWN_EVENT)
 end
 
 
