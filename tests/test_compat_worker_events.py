@@ -547,3 +547,26 @@ def test_event_list_refuses_unknown_names(nginx):
     assert re.match(r"false content_by_lua\(nginx\.conf:\d+\):\d+: "
                     r"event 'udpated' is an unknown event$", lines[1]), lines
     assert lines[2] == "resty-worker-events started stopping"
+
+
+def test_callback_error_table_logged_as_json_with_traceback(nginx):
+    """A handler raising a table: the peer's line shows it as JSON with the
+    traceback (it was "table: 0x..." and no traceback)."""
+    server = """
+    location = /t { content_by_lua_block {
+        local we = require "resty.loom.compat.worker_events"
+        local function fails() error({ code = 7 }) end
+        we.register(function() fails() end, "content_by_lua")
+        we.post("content_by_lua", "table_error")
+        ngx.sleep(0.2)
+        ngx.say("ok")
+    } }
+    """
+    n = nginx(workers=1, http=conf(register=False), server=server)
+    n.allow_log(r"event callback failed")
+    assert n.get("/t").text == "ok\n"
+    line = n.wait_log(r"event callback failed; source=content_by_lua, "
+                      r"event=table_error, pid=\d+ error='[^\n]*")[0]
+    assert 'error=\'{"code":7}' in line, line
+    assert "table: 0x" not in line
+    assert "in function 'fails'" in n.error_log()

@@ -5,13 +5,13 @@
 
 
 local cjson = require "cjson.safe"
+local on_error = require "resty.loom.error_handler"
 
 local type = type
 local xpcall = xpcall
 local tostring = tostring
 local setmetatable = setmetatable
 local getmetatable = getmetatable
-local traceback = debug.traceback
 local ngx_log = ngx.log
 local ERR = ngx.ERR
 
@@ -40,7 +40,7 @@ end
 -- calls handler(data, event, source, who); on error logs the peers'
 -- line, who_name being "wid" or "pid"
 function _M.call(handler, who_name, data, event, source, who)
-    local ok, err = xpcall(handler, traceback, data, event, source, who)
+    local ok, err = xpcall(handler, on_error, data, event, source, who)
     if not ok then
         local str
         if type(data) == "table" then
