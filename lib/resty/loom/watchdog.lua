@@ -38,11 +38,13 @@ local type = type
 local pairs = pairs
 local ipairs = ipairs
 local error = error
+local pcall = pcall
 local floor = math.floor
 local str_byte = string.byte
 local str_find = string.find
 local str_format = string.format
 local str_gmatch = string.gmatch
+local str_gsub = string.gsub
 local str_match = string.match
 local str_sub = string.sub
 local tbl_concat = table.concat
@@ -1044,6 +1046,9 @@ end
 
 function _M.flamegraph(reports, opts)
     local flamegraph = require "resty.loom.flamegraph"
+    if opts ~= nil and type(opts) ~= "table" then
+        error("opts must be a table", 2)
+    end
     local o = { title = "Event-loop stalls", unit = "ms" }
     for k, v in pairs(opts or {}) do
         o[k] = v
@@ -1051,7 +1056,11 @@ function _M.flamegraph(reports, opts)
     -- the SVG alone: ngx.print(watchdog.flamegraph()) must serve a valid
     -- document (the renderer's second value, the frame count, would follow
     -- </svg>)
-    local svg = flamegraph.svg(_M.folded(reports), o)
+    local ok, svg = pcall(flamegraph.svg, _M.folded(reports), o)
+    if not ok then
+        -- a bad option: named at the caller's line, not this one
+        error((str_gsub(tostring(svg), "^[^:]*:%d+: ", "")), 2)
+    end
     return svg
 end
 
