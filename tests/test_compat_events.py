@@ -815,3 +815,72 @@ def test_resty_events_compat_poll_before_configure(nginx):
     """
     n = nginx(workers=1, server=server)
     assert n.get("/test").text == "done\n"
+
+
+def test_broker_killed_while_handlers_sleep_no_deadlock(nginx):
+    """deadlock.t: handlers in workers 0 and 1 hold a semaphore across a
+    sleep when the broker is killed (-9, by worker 2's handler; the peer
+    uses the privileged agent); they are not cut short: the next event's
+    handlers get the semaphore, none logs [crit]."""
+    after = """
+        local id = ngx.worker.id()
+        local sema = require("ngx.semaphore").new(1)
+        if id == 3 then
+            ngx.shared.pids:set("broker", ngx.worker.pid())
+        end
+        local function take(what)
+            return function()
+                ngx.sleep(0)
+                ngx.log(ngx.NOTICE, "compat-handler: ", id, " ", what,
+                        " handler;")
+                local ok, err = sema:wait(0)
+                if not ok then
+                    ngx.log(ngx.CRIT, id, " ", what,
+                            " did not get the semaphore: ", err)
+                    return
+                end
+                ngx.log(ngx.NOTICE, "compat-handler: ", id, " ", what,
+                        " got the semaphore;")
+                if what == "first" then
+                    ngx.sleep(2)
+                end
+                sema:post()
+            end
+        end
+        if id == 0 or id == 1 then
+            ev:subscribe("content_by_lua", "first", take("first"))
+            ev:subscribe("content_by_lua", "third", take("third"))
+        end
+        if id == 2 then
+            ev:subscribe("content_by_lua", "second", function()
+                ngx.log(ngx.NOTICE, "compat-handler: killer;")
+                ngx.timer.at(0, function()
+                    os.execute("kill -9 " .. ngx.shared.pids:get("broker"))
+                end)
+            end)
+        end
+    """
+    server = """
+    location = /test { content_by_lua_block {
+        local ev = _G.ev
+        for _, e in ipairs({ "first", "second", "third" }) do
+            assert(ev:publish("all", "content_by_lua", e))
+            ngx.sleep(0)
+        end
+        ngx.say("ok")
+    } }
+    """
+    n = start(nginx, 4, http="lua_shared_dict pids 1m;\n" +
+              conf("broker_id = 3", after_init=after), server=server)
+    n.allow_log(r"exited on signal 9")
+    assert n.get("/test").text == "ok\n"
+    n.wait_log(r"exited on signal 9", timeout=10)
+    wait_lines(n, 9, timeout=15)
+    time.sleep(0.5)
+    got = handler_lines(n)
+    # each handler once: nothing lost or run twice across the broker's end
+    assert sorted(got) == sorted(
+        ["%s %s" % (w, what) for w in "01" for what in (
+            "first handler", "first got the semaphore", "third handler",
+            "third got the semaphore")] + ["killer"]), got
+    assert "[crit]" not in n.error_log()
