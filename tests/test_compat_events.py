@@ -884,3 +884,19 @@ def test_broker_killed_while_handlers_sleep_no_deadlock(nginx):
             "first handler", "first got the semaphore", "third handler",
             "third got the semaphore")] + ["killer"]), got
     assert "[crit]" not in n.error_log()
+
+
+def test_unknown_option_warned_not_refused(nginx):
+    """The peer ignores an unknown option; so does new() (code written for
+    it still starts), with a warning naming it, so that a misspelt one is
+    seen."""
+    n = start(nginx, 1, http=conf("unique_timout = 1", after_init=SUBSCRIBE),
+              server="""
+    location = /test { content_by_lua_block {
+        ngx.say(_G.ev:publish("all", "s", "e", "x")) } }
+    """)
+    assert n.get("/test").text == "true\n"
+    assert wait_lines(n, 1) == [
+        "h source=s, event=e, who=0, by=0, data=x"]
+    n.wait_log(r"\[warn\][^\n]*\[loom\.compat\] resty\.events: "
+               r"opts\.unique_timout is not an option \(ignored\)")

@@ -570,3 +570,13 @@ def test_callback_error_table_logged_as_json_with_traceback(nginx):
     assert 'error=\'{"code":7}' in line, line
     assert "table: 0x" not in line
     assert "in function 'fails'" in n.error_log()
+
+
+def test_unknown_option_warned_not_refused(nginx):
+    """configure() takes an option the peer does not know, as the peer
+    does, and warns naming it."""
+    n = nginx(workers=1, http=conf("interval = 0.1, timout = 5"),
+              server="")
+    assert started().match(settle(n, 1)[0])
+    n.wait_log(r"\[warn\][^\n]*\[loom\.compat\] resty\.worker\.events: "
+               r"opts\.timout is not an option \(ignored\)")

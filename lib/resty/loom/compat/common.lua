@@ -8,12 +8,14 @@ local cjson = require "cjson.safe"
 local on_error = require "resty.loom.error_handler"
 
 local type = type
+local pairs = pairs
 local xpcall = xpcall
 local tostring = tostring
 local setmetatable = setmetatable
 local getmetatable = getmetatable
 local ngx_log = ngx.log
 local ERR = ngx.ERR
+local WARN = ngx.WARN
 
 
 local _M = { _VERSION = "0.1.0" }
@@ -34,6 +36,19 @@ function _M.unwrap(data)
         return data[1], true
     end
     return data, false
+end
+
+
+-- warns of each field of opts that known does not hold: the peers ignore
+-- them, so code written for them still starts, but a misspelt option
+-- should not go unseen
+function _M.warn_unknown(module, opts, known)
+    for k in pairs(opts) do
+        if not known[k] then
+            ngx_log(WARN, "[loom.compat] ", module, ": opts.", tostring(k),
+                    " is not an option (ignored)")
+        end
+    end
 end
 
 

@@ -99,6 +99,13 @@ local function bad_listening(v)
 end
 
 
+local KNOWN = {
+    broker_id = true, listening = true, unique_timeout = true,
+    max_queue_len = true, max_payload_len = true,
+    enable_privileged_agent = true, testing = true,
+}
+
+
 -- the message for the first bad option, else nil
 local function bad_options(opts)
     if type(opts) ~= "table" then
@@ -206,6 +213,11 @@ end
 
 
 function _M.init_worker(self)
+    if ngx.worker.id() == (self.opts.testing and 0 or self.opts.broker_id)
+    then
+        -- (from new(), in init_by_lua, it would go to stderr only)
+        common.warn_unknown("resty.events", self.opts, KNOWN)
+    end
     if self.opts.testing then
         -- lua-resty-events is ready once its first timer ran
         local ok, err = timer_at(0, set_ready, self)

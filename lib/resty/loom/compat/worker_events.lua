@@ -223,6 +223,12 @@ local NUMBERS = {
 }
 
 
+local KNOWN = { shm = true, debug = true }
+for i = 1, #NUMBERS do
+    KNOWN[NUMBERS[i][1]] = true
+end
+
+
 -- the options of configure() over those of the last one and the
 -- defaults; nil and worker-events' message for the first bad one. NaN and
 -- infinities, which it takes, are refused too: a timeout of either claims
@@ -273,6 +279,7 @@ function _M.configure(opts)
     if not new then
         return nil, err
     end
+    common.warn_unknown("resty.worker.events", opts, KNOWN)
 
     local b = events.get()
     if not b then
