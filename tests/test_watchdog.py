@@ -795,3 +795,34 @@ location = /badflame {
     assert re.match(prefix + r"opts\.width must be a whole number", lines[1])
     assert re.match(prefix + r"opts must be a table$", lines[2]), lines
     assert lines[3] == "true"
+
+
+def test_timers_wrap_keeps_resty_loom_timer_patch(nginx):
+    # the watchdog required before resty.loom.timer's patch(): start()
+    # replaced the patched ngx.timer.at/every with wrappers of the native
+    # ones, so every timer went native again, in silence
+    n = nginx(workers=1, http="""
+    init_by_lua_block {
+        require "resty.loom.watchdog"
+        require("resty.loom.timer").patch()
+    }
+    """ + HTTP % {"threshold": 100}, server=SERVER + """
+location = /patched {
+    content_by_lua_block {
+        local timer = require "resty.loom.timer"
+        ngx.say(ngx.timer.at == timer.at, " ", ngx.timer.every == timer.every)
+        assert(ngx.timer.at(5, function() end))
+        ngx.say(timer.pending_count())
+        -- a bad delay still names this line
+        local ok, err = pcall(function()
+            local h = ngx.timer.at("soon", function() end)
+            return h
+        end)
+        ngx.say(err)
+    }
+}
+""")
+    lines = n.get("/patched").text.splitlines()
+    assert lines[:2] == ["true true", "1"], lines
+    assert re.match(r"content_by_lua\(nginx\.conf:\d+\):\d+: ", lines[2]), \
+        lines

@@ -24,7 +24,6 @@ local ngx_WARN = ngx.WARN
 local ngx_ERR = ngx.ERR
 local ngx_now = ngx.now
 local ngx_timer_at = ngx.timer.at
-local ngx_timer_every = ngx.timer.every
 local ngx_worker_exiting = ngx.worker.exiting
 local ngx_get_phase = ngx.get_phase
 local debug_getinfo = debug.getinfo
@@ -709,7 +708,7 @@ end
 
 
 -- the bottom frame of every timer made while the watchdog runs; the C side
--- reads its second local to tell where the timer was created
+-- reads its local loom_timer_site to tell where the timer was created
 local function loom_timer_runner(premature, loom_timer_site, cb, ...)
     cb(premature, ...)
 end
@@ -734,22 +733,29 @@ local function timer_site(cb)
 end
 
 
+-- wraps what ngx.timer.at/every are now (native ones, or another
+-- library's), except resty.loom.timer's after its patch(): those name
+-- their timers themselves, and raise at their caller's line
 local function wrap_timers()
     local timer = ngx.timer
+    local loom = package.loaded["resty.loom.timer"]
+    local at, every = timer.at, timer.every
     -- luacheck: push ignore 122
-    timer.at = function(delay, cb, ...)
-        if type(cb) ~= "function" then
-            return ngx_timer_at(delay, cb, ...)
+    if not (type(loom) == "table" and at == loom.at) then
+        timer.at = function(delay, cb, ...)
+            if type(cb) ~= "function" then
+                return at(delay, cb, ...)
+            end
+            return at(delay, loom_timer_runner, timer_site(cb), cb, ...)
         end
-        return ngx_timer_at(delay, loom_timer_runner, timer_site(cb), cb,
-                            ...)
     end
-    timer.every = function(delay, cb, ...)
-        if type(cb) ~= "function" then
-            return ngx_timer_every(delay, cb, ...)
+    if not (type(loom) == "table" and every == loom.every) then
+        timer.every = function(delay, cb, ...)
+            if type(cb) ~= "function" then
+                return every(delay, cb, ...)
+            end
+            return every(delay, loom_timer_runner, timer_site(cb), cb, ...)
         end
-        return ngx_timer_every(delay, loom_timer_runner, timer_site(cb),
-                               cb, ...)
     end
     -- luacheck: pop
 end
