@@ -52,24 +52,24 @@ function _M.warn_unknown(module, opts, known)
 end
 
 
+-- event data in a log line: a table as JSON (or why it cannot be)
+local function shown(data)
+    if type(data) ~= "table" then
+        return tostring(data)
+    end
+    local json, err = cjson.encode(data)
+    return json or tostring(err)
+end
+
+
 -- calls handler(data, event, source, who); on error logs the peers'
 -- line, who_name being "wid" or "pid"
 function _M.call(handler, who_name, data, event, source, who)
     local ok, err = xpcall(handler, on_error, data, event, source, who)
     if not ok then
-        local str
-        if type(data) == "table" then
-            local e
-            str, e = cjson.encode(data)
-            if not str then
-                str = tostring(e)
-            end
-        else
-            str = tostring(data)
-        end
         ngx_log(ERR, "worker-events: event callback failed; source=", source,
                 ", event=", event, ", ", who_name, "=", tostring(who),
-                " error='", tostring(err), "', data=", str)
+                " error='", tostring(err), "', data=", shown(data))
     end
 end
 
