@@ -329,9 +329,9 @@ function _M.subscribe(self, source, event, callback)
     if type(callback) ~= "function" then
         error("expected function, got: " .. type(callback), 2)
     end
-    local count = self.counter + 1
-    self.counter = count
-    local id = tostring(count)
+    -- ids are "1", "2", ...: the peer's, which callers may keep as keys
+    self.counter = self.counter + 1
+    local id = tostring(self.counter)
     self.funcs[id] = callback
     local by_event = self.buckets[source]
     if not by_event then
