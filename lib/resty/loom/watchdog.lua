@@ -733,29 +733,30 @@ local function timer_site(cb)
 end
 
 
+-- ngx.timer.at or every (as made by make) with the creation site noted
+local function noting_site(make)
+    return function(delay, cb, ...)
+        if type(cb) ~= "function" then
+            return make(delay, cb, ...)
+        end
+        return make(delay, loom_timer_runner, timer_site(cb), cb, ...)
+    end
+end
+
+
 -- wraps what ngx.timer.at/every are now (native ones, or another
 -- library's), except resty.loom.timer's after its patch(): those name
 -- their timers themselves, and raise at their caller's line
 local function wrap_timers()
     local timer = ngx.timer
     local loom = package.loaded["resty.loom.timer"]
-    local at, every = timer.at, timer.every
+    local patched = type(loom) == "table"
     -- luacheck: push ignore 122
-    if not (type(loom) == "table" and at == loom.at) then
-        timer.at = function(delay, cb, ...)
-            if type(cb) ~= "function" then
-                return at(delay, cb, ...)
-            end
-            return at(delay, loom_timer_runner, timer_site(cb), cb, ...)
-        end
+    if not (patched and timer.at == loom.at) then
+        timer.at = noting_site(timer.at)
     end
-    if not (type(loom) == "table" and every == loom.every) then
-        timer.every = function(delay, cb, ...)
-            if type(cb) ~= "function" then
-                return every(delay, cb, ...)
-            end
-            return every(delay, loom_timer_runner, timer_site(cb), cb, ...)
-        end
+    if not (patched and timer.every == loom.every) then
+        timer.every = noting_site(timer.every)
     end
     -- luacheck: pop
 end
