@@ -31,7 +31,13 @@ local function describe(err)
 end
 
 
+local _M = { _VERSION = "0.1.0" }
+
+
 -- (level 2: the traceback starts below this handler)
-return function(err)
+function _M.handler(err)
     return traceback(describe(err), 2)
 end
+
+
+return _M

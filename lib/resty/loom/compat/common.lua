@@ -5,7 +5,7 @@
 
 
 local cjson = require "cjson.safe"
-local on_error = require "resty.loom.error_handler"
+local on_error = require("resty.loom.error_handler").handler
 
 local type = type
 local pairs = pairs

@@ -16,7 +16,7 @@ local bit = require "bit"
 local wheel = require "resty.loom.timer.wheel"
 local array = require "resty.loom.timer.array"
 local stats = require "resty.loom.timer.stats"
-local on_error = require "resty.loom.error_handler"
+local on_error = require("resty.loom.error_handler").handler
 
 local ffi_sizeof = ffi.sizeof
 local arr_new = array.new
