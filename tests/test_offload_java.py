@@ -210,3 +210,33 @@ def test_term_stops_workers_with_their_jvms(nginx):
     assert not any(os.path.exists("/proc/%d/status" % p) and
                    "zombie" not in open("/proc/%d/status" % p).read()
                    for p in pids + [master])
+
+
+def test_payload_larger_than_the_heap_is_an_error_and_the_thread_stays(
+        nginx):
+    # the request is copied into a Java byte[]: one larger than the heap
+    # throws OutOfMemoryError in the copy, before the handler runs. The
+    # call must get that error and the only thread keep serving (it used
+    # to die with the task unanswered: every later call timed out)
+    n = start(nginx, threads=1, timeout=5,
+              cfg="classpath=%s xmx=16m cpus=1 jvm_options=-Xcheck:jni,"
+                  "-XX:+UseSerialGC" % EXAMPLES,
+              server="""
+    location /big {
+        content_by_lua_block {
+            local res, err = JAVA:call("loom.example.Echo",
+                                       string.rep("x", 48 * 1024 * 1024))
+            ngx.print(res and #res or err)
+        }
+    }
+    """)
+    n.allow_log(r"java handler loom\.example\.Echo: "
+                r"java\.lang\.OutOfMemoryError")
+    assert call(n, "Echo", "warm").text == "warm"
+    r = n.get("/big", timeout=30)
+    assert r.text == "runtime error: java.lang.OutOfMemoryError: " \
+        "Java heap space", r.text
+    for i in range(3):
+        assert call(n, "Echo", "after%d" % i, t=5).text == "after%d" % i
+    n.wait_log(r"java handler loom\.example\.Echo: "
+               r"java\.lang\.OutOfMemoryError: Java heap space")
