@@ -2,6 +2,7 @@
 JVM embedded in each worker, and its life with nginx's signals."""
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -25,6 +26,27 @@ def java_runtime():
     if not os.path.exists(os.path.join(JAVA_HOME, "bin", "javac")):
         pytest.skip("no JDK (Debian package openjdk-17-jdk-headless)")
     subprocess.run(["make", "-s", "-C", RT_DIR], check=True)
+
+
+# what -Xcheck:jni prints (through the runtime's vfprintf hook, on the
+# worker's stderr, that is the error log) about a JNI call made wrongly
+JNI_CHECK = re.compile(r"WARNING in native method|FATAL ERROR in native "
+                       r"method|WARNING: JNI local refs")
+
+STARTED = []
+
+
+@pytest.fixture(autouse=True)
+def no_jni_warnings(nginx):
+    """Every instance's log, read after it stopped, has no JNI check
+    warning (the harness looks only at [error]/[crit]/[alert] lines)."""
+    del STARTED[:]
+    yield
+    for n in STARTED:
+        n.stop()
+        bad = [line for line in n.error_log().splitlines()
+               if JNI_CHECK.search(line)]
+        assert not bad, "\n".join(bad[:10])
 
 
 def start(nginx, workers=1, threads=2, queue=64, timeout=5, cfg=CONFIG,
@@ -56,6 +78,7 @@ def start(nginx, workers=1, threads=2, queue=64, timeout=5, cfg=CONFIG,
     location /plain { content_by_lua_block { ngx.say("plain") } }
     """ + server
     n = nginx(workers=workers, http=http, server=server, **kw)
+    STARTED.append(n)
     return n
 
 
@@ -240,3 +263,21 @@ def test_payload_larger_than_the_heap_is_an_error_and_the_thread_stays(
         assert call(n, "Echo", "after%d" % i, t=5).text == "after%d" % i
     n.wait_log(r"java handler loom\.example\.Echo: "
                r"java\.lang\.OutOfMemoryError: Java heap space")
+
+
+def test_reloads_while_jvms_start_do_not_count_as_crashes(nginx):
+    # workers that a reload (or quit) retires while their JVM is still
+    # starting exit normally: that is no JVM crash, and must not count
+    # towards the 3 exits after which the runtime stops trying. Old
+    # workers made the count reach 4 in one reload, and the next
+    # generation refused to start Java at all
+    n = start(nginx, workers=4, timeout=20,
+              cfg="classpath=%s xmx=48m cpus=1 jvm_options=-Xcheck:jni,"
+                  "-XX:+UseSerialGC,-Xms48m,-XX:+AlwaysPreTouch" % EXAMPLES)
+    n.allow_log(r"still starting at exit|SIGSEGV handler modified")
+    n.reload()
+    n.reload()
+    for i in range(8):
+        r = call(n, "Echo", "x%d" % i, t=20)
+        assert r.text == "x%d" % i, r.text
+    assert "exited the worker" not in n.error_log()

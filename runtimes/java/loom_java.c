@@ -45,11 +45,15 @@
 #include <fcntl.h>
 #include <libgen.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 
@@ -393,47 +397,153 @@ loom_java_describe(JNIEnv *env, const char *what, char *err,
 
 
 /*
- * Counts, in a file, JVM starts under this master with these options that
- * did not come back; returns the count before this attempt, or -1.
+ * The crash-loop guard: a file lists the workers (pids) that started a
+ * JVM under this master with these options and did not come back from
+ * it. One whose process is gone was exited by the JVM while starting, or
+ * crashed; one still alive is starting now (the workers start their JVMs
+ * at the same time) and counts for nothing. A start that returns takes
+ * its pid out, and so does a worker that nginx exits while its JVM is
+ * still starting (a reload or quit: that exit is made on the main
+ * thread, the JVM's on the starting one). The file is named after the
+ * master's pid and start time (a later master reusing the pid, as in a
+ * restarted container, starts afresh), opened without following links,
+ * used only when this user owns it, and changed under a lock.
  */
-static int
-loom_java_attempt(const char *key, int done)
+
+static char  loom_java_attempt_path[256];
+static int   loom_java_creating;
+
+
+static void
+loom_java_attempt_name(const char *key)
 {
-    int            fd, count;
-    char           path[256], buf[16];
-    ssize_t        n;
-    unsigned long  hash;
-    const char    *p;
+    int                 fd;
+    char                buf[1024], *p;
+    pid_t               ppid;
+    ssize_t             n;
+    unsigned long       hash;
+    unsigned long long  started;
 
     hash = 5381;
-    for (p = key; *p; p++) {
+    for (p = (char *) key; *p; p++) {
         hash = hash * 33 + (unsigned char) *p;
     }
 
-    snprintf(path, sizeof(path), "/tmp/loom-jvm-start-%ld-%lx",
-             (long) getppid(), hash);
+    ppid = getppid();
+    started = 0;
 
-    if (done) {
-        unlink(path);
-        return 0;
+    snprintf(buf, sizeof(buf), "/proc/%ld/stat", (long) ppid);
+    fd = open(buf, O_RDONLY | O_CLOEXEC);
+
+    if (fd != -1) {
+        n = read(fd, buf, sizeof(buf) - 1);
+        close(fd);
+        buf[n > 0 ? n : 0] = '\0';
+
+        /* starttime is field 22; the name (field 2) may hold spaces */
+        p = strrchr(buf, ')');
+
+        if (p != NULL) {
+            (void) sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u "
+                          "%*u %*u %*u %*d %*d %*d %*d %*d %*d %llu",
+                          &started);
+        }
     }
 
-    fd = open(path, O_RDWR | O_CREAT, 0600);
+    snprintf(loom_java_attempt_path, sizeof(loom_java_attempt_path),
+             "/tmp/loom-jvm-start-%ld-%llu-%lx", (long) ppid, started, hash);
+}
+
+
+/*
+ * Adds this process to the file (op 1: returns the number of processes
+ * listed that are gone, or -1 when the file cannot be used; when that
+ * number reaches LOOM_JAVA_MAX_ATTEMPTS this process is not added), or
+ * takes it out (op 0), with the gone ones too (op -1: the JVM started).
+ */
+static int
+loom_java_attempt(int op)
+{
+    int          fd, gone, keep;
+    char         buf[4096], out[4096], *p, *end;
+    long         pid, self;
+    size_t       len;
+    ssize_t      n;
+    struct stat  st;
+
+    fd = open(loom_java_attempt_path,
+              O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
     if (fd == -1) {
         return -1;
     }
 
-    n = read(fd, buf, sizeof(buf) - 1);
-    buf[n > 0 ? n : 0] = '\0';
-    count = atoi(buf);
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)
+        || st.st_uid != geteuid() || flock(fd, LOCK_EX) != 0)
+    {
+        close(fd);
+        return -1;
+    }
 
-    n = snprintf(buf, sizeof(buf), "%d\n", count + 1);
-    if (lseek(fd, 0, SEEK_SET) != 0 || write(fd, buf, n) != n) {
-        count = -1;
+    n = pread(fd, buf, sizeof(buf) - 1, 0);
+    buf[n > 0 ? n : 0] = '\0';
+
+    self = (long) getpid();
+    gone = 0;
+    len = 0;
+
+    for (p = buf; *p; p = end) {
+        pid = strtol(p, &end, 10);
+
+        if (end == p) {
+            break;
+        }
+
+        if (pid <= 0 || pid == self) {
+            continue;
+        }
+
+        keep = kill((pid_t) pid, 0) == 0 || errno != ESRCH;
+
+        if (!keep) {
+            gone++;
+
+            if (op == -1) {
+                continue;
+            }
+        }
+
+        if (len + 24 < sizeof(out)) {
+            len += snprintf(out + len, sizeof(out) - len, "%ld\n", pid);
+        }
+    }
+
+    if (op == 1 && gone < LOOM_JAVA_MAX_ATTEMPTS) {
+        len += snprintf(out + len, sizeof(out) - len, "%ld\n", self);
+    }
+
+    if (len == 0) {
+        (void) unlink(loom_java_attempt_path);
+
+    } else if (ftruncate(fd, 0) != 0
+               || pwrite(fd, out, len, 0) != (ssize_t) len)
+    {
+        gone = -1;
     }
 
     close(fd);
-    return count;
+    return gone;
+}
+
+
+/* at exit: a worker nginx exits during the start is no JVM failure */
+static void
+loom_java_atexit(void)
+{
+    if (__atomic_load_n(&loom_java_creating, __ATOMIC_ACQUIRE)
+        && (pid_t) syscall(SYS_gettid) == getpid())
+    {
+        (void) loom_java_attempt(0);
+    }
 }
 
 
@@ -541,7 +651,13 @@ loom_java_start_vm(loom_java_rt_t *rt, const char *config, char *err,
         goto done;
     }
 
-    tries = loom_java_attempt(key, 0);
+    if (loom_java_attempt_path[0] == '\0') {
+        (void) atexit(loom_java_atexit);
+    }
+
+    loom_java_attempt_name(key);
+
+    tries = loom_java_attempt(1);
     if (tries >= LOOM_JAVA_MAX_ATTEMPTS) {
         snprintf(err, err_size, "the JVM exited the worker %d times while "
                  "starting with \"%s\" (see its messages above): not "
@@ -556,10 +672,15 @@ loom_java_start_vm(loom_java_rt_t *rt, const char *config, char *err,
     args.ignoreUnrecognized = JNI_FALSE;
 
     loom_java_starting = rt;
+    __atomic_store_n(&loom_java_creating, 1, __ATOMIC_RELEASE);
+
     rc = create(&loom_java_vm, &env, &args);
+
+    __atomic_store_n(&loom_java_creating, 0, __ATOMIC_RELEASE);
     loom_java_starting = NULL;
 
-    loom_java_attempt(key, 1);
+    /* it came back, whatever it says: the options do not exit workers */
+    (void) loom_java_attempt(-1);
 
     if (rc != JNI_OK) {
         loom_java_vm = NULL;
