@@ -297,3 +297,46 @@ def test_os_execute_gets_the_exit_status(nginx):
     got = n.get("/exec", timeout=20).text.strip().split(",")
     # LuaJIT's os.execute returns the wait status: exit code * 256
     assert got == [str((i % 4) * 256) for i in range(1, 21)]
+
+
+def test_handler_name_longer_than_the_limit_is_refused(nginx):
+    # a name over 256 bytes was cut to 256 for the lookup while the data
+    # started 256 bytes in: a handler ran under a wrong name with the
+    # rest of the name and the NUL as its data
+    n = start(nginx, cfg=config(preload=None))
+    n.allow_log(r"lua handler ")
+    fn = "f" * 300
+    r = call(n, "offload_lua_any." + fn, "data")
+    assert r.status == 502 and "longer than 256 bytes" in r.text, r.text[:80]
+    ok = "g" * (256 - len("offload_lua_any."))
+    r = call(n, "offload_lua_any." + ok, "data")
+    assert r.text == ok + "|data"
+
+
+def test_named_call_with_a_buffer_or_bad_options(nginx):
+    # rt:call(name, buf) with a string.buffer as the data sent the name
+    # alone (the buffer was taken for opts): the Lua runtime answered "no
+    # handler name", and a runtime that takes a bare name as a call with
+    # empty data (Java) answered as if the data were ""
+    n = start(nginx, server="""
+    location /buf {
+        content_by_lua_block {
+            local buffer = require "string.buffer"
+            local b = buffer.new():put("from a buffer")
+            ngx.say(LUA_RT:call("offload_lua_handlers.echo", b))
+            ngx.say(#b)
+            local ok, err = pcall(LUA_RT.call, LUA_RT,
+                                  "offload_lua_handlers.echo", 42)
+            ngx.say(ok, " ", err)
+            ok, err = pcall(LUA_RT.call, LUA_RT, "x", "y", "z")
+            ngx.say(ok, " ", err)
+        }
+    }
+    """)
+    lines = n.get("/buf").text.splitlines()
+    assert lines[0] == "from a buffer", lines
+    assert lines[1] == "13", lines
+    assert lines[2].startswith("false ") and lines[2].endswith(
+        "opts must be a table"), lines
+    assert lines[3].startswith("false ") and lines[3].endswith(
+        "opts must be a table"), lines

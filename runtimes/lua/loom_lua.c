@@ -430,7 +430,10 @@ loom_lua_serve(loom_lua_thread_t *th, const char *req, size_t len)
 
     name_len = nul - req;
     if (name_len > LOOM_LUA_MAX_NAME) {
-        name_len = LOOM_LUA_MAX_NAME;
+        static const char  msg[] = "handler name longer than 256 bytes";
+
+        host->answer(th->task, LOOM_OFFLOAD_ERROR, msg, sizeof(msg) - 1);
+        return;
     }
 
     lua_pushcfunction(L, loom_lua_traceback);
