@@ -76,6 +76,9 @@ def start(nginx, workers=1, threads=2, queue=64, timeout=5, cfg=CONFIG,
         }
     }
     location /plain { content_by_lua_block { ngx.say("plain") } }
+    location /running {
+        content_by_lua_block { ngx.print(JAVA:stats().running) }
+    }
     """ + server
     n = nginx(workers=workers, http=http, server=server, **kw)
     STARTED.append(n)
@@ -281,3 +284,30 @@ def test_reloads_while_jvms_start_do_not_count_as_crashes(nginx):
         r = call(n, "Echo", "x%d" % i, t=20)
         assert r.text == "x%d" % i, r.text
     assert "exited the worker" not in n.error_log()
+
+
+def test_quit_with_a_handler_stuck_in_java_ends_after_the_grace(nginx):
+    # a handler that never looks at cancellation holds the only Java
+    # thread: QUIT closes the queue after the grace (2 s), the call gets
+    # "closed", the runtime is abandoned after another grace, and the
+    # worker exits with the JVM's threads still running, without a crash
+    n = start(nginx, threads=1)
+    n.allow_log(r"did not shut down within 2000 ms")
+    out = []
+    th = threading.Thread(target=lambda: out.append(
+        call(n, "Work", "hang 60000", t=120, timeout=120)))
+    th.start()
+    deadline = time.time() + 10
+    while n.get("/running").text != "1":
+        assert time.time() < deadline
+        time.sleep(0.05)
+    t0 = time.time()
+    n.quit()
+    took = time.time() - t0
+    th.join()
+    assert out[0].text == "ERR closed"
+    # the handler sleeps 60 s: nginx did not wait for it
+    assert took < 30, took
+    log = n.error_log()
+    assert "did not shut down within 2000 ms, abandoned" in log
+    assert "exited on signal" not in log

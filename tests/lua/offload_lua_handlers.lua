@@ -87,4 +87,14 @@ function _M.cpu(data)
 end
 
 
+-- makes garbage (a table of strings) and answers with part of it
+function _M.churn(data)
+    local t = {}
+    for i = 1, 20 do
+        t[i] = data .. i
+    end
+    return table.concat(t, ",", 1, 2)
+end
+
+
 return _M
