@@ -311,3 +311,13 @@ def test_quit_with_a_handler_stuck_in_java_ends_after_the_grace(nginx):
     log = n.error_log()
     assert "did not shut down within 2000 ms, abandoned" in log
     assert "exited on signal" not in log
+
+
+def test_misspelled_configuration_key_fails_the_load(nginx):
+    # "xmxx=256m" was ignored: the JVM started with the default 64m heap
+    # and nothing said so
+    n = start(nginx, cfg="classpath=%s xmxx=256m" % EXAMPLES)
+    n.allow_log(r'failed to start .*bad configuration "xmxx=256m"')
+    n.wait_log(r'bad configuration "xmxx=256m": want <key>=<value>, the '
+               r'keys being classpath, xmx, cpus, jvm_options, java_home')
+    assert call(n, "Echo", "x").text == "ERR closed"

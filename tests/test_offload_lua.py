@@ -381,3 +381,14 @@ def test_memory_stays_flat_over_many_calls(nginx):
     assert n.get("/many?n=60000", timeout=120).text == "ok"
     after = rss_kb(pid)
     assert after - before < 4096, (before, after)
+
+
+def test_misspelled_configuration_key_fails_the_load(nginx):
+    # "preloads=..." was ignored: the states started without the module
+    # and nothing said so
+    n = start(nginx, cfg=config(preload=None) + " preloads=offload_lua_any")
+    n.allow_log(r'failed to start .*bad configuration "preloads=')
+    n.wait_log(r'bad configuration "preloads=offload_lua_any": want '
+               r'<key>=<value>, the keys being path, cpath, preload')
+    r = call(n, "offload_lua_handlers.echo", "x")
+    assert (r.status, r.text) == (502, "ERR closed")

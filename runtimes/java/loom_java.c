@@ -86,6 +86,8 @@ __attribute__((visibility("default")))
 void loom_offload_shutdown(void *instance);
 
 static char *loom_java_config_get(const char *cfg, const char *key);
+static int loom_java_config_check(const char *cfg, char *err,
+    size_t err_size);
 static int loom_java_start_vm(loom_java_rt_t *rt, const char *config,
     char *err, size_t err_size);
 static int loom_java_register(JNIEnv *env, char *err, size_t err_size);
@@ -168,6 +170,54 @@ loom_java_config_get(const char *cfg, const char *key)
         }
 
         p = v;
+    }
+}
+
+
+/*
+ * Refuses (-1, the reason in err) a configuration with a token that is
+ * not <known key>=<value>: a misspelled key would otherwise be ignored
+ * and its default used without a word
+ */
+static int
+loom_java_config_check(const char *cfg, char *err, size_t err_size)
+{
+    size_t        len, klen;
+    const char   *p, *v, *const *k;
+
+    static const char *const  keys[] = {
+        "classpath", "xmx", "cpus", "jvm_options", "java_home", NULL
+    };
+
+    for (p = cfg; ; p = v) {
+        while (*p == ' ' || *p == '\t' || *p == '\n') {
+            p++;
+        }
+
+        if (*p == '\0') {
+            return 0;
+        }
+
+        v = p;
+        while (*v != '\0' && *v != ' ' && *v != '\t' && *v != '\n') {
+            v++;
+        }
+
+        len = v - p;
+
+        for (k = keys; *k != NULL; k++) {
+            klen = strlen(*k);
+
+            if (len > klen && strncmp(p, *k, klen) == 0 && p[klen] == '=') {
+                break;
+            }
+        }
+
+        if (*k == NULL) {
+            snprintf(err, err_size, "bad configuration \"%.*s\": want "
+                     "<key>=<value>, the keys being classpath, xmx, cpus, jvm_options, java_home", (int) len, p);
+            return -1;
+        }
     }
 }
 
@@ -727,6 +777,11 @@ loom_offload_init(loom_offload_init_t *init)
     if (init->abi_version < 1) {
         snprintf(init->err, init->err_size, "host ABI %u is too old",
                  init->abi_version);
+        return 1;
+    }
+
+    if (loom_java_config_check(init->config, init->err, init->err_size) != 0)
+    {
         return 1;
     }
 
