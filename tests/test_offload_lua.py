@@ -392,3 +392,51 @@ def test_misspelled_configuration_key_fails_the_load(nginx):
                r'<key>=<value>, the keys being path, cpath, preload')
     r = call(n, "offload_lua_handlers.echo", "x")
     assert (r.status, r.text) == (502, "ERR closed")
+
+
+def test_error_paths_keep_the_state_balanced(nginx):
+    # every way a call can fail, 1,000 times each on the one thread: the
+    # state's heap (stack included: LuaJIT grows it as values are pushed,
+    # and what a leaked slot holds stays reachable) is the same size after
+    # the 1,000th round as after the 100th
+    n = start(nginx, threads=1, server="""
+    location /errors {
+        content_by_lua_block {
+            local names = { "nodot", "no_such_module_q.f",
+                "offload_lua_handlers.missing",
+                "offload_lua_handlers.bad_return",
+                "offload_lua_handlers.fail",
+                "offload_lua_handlers.fail_table",
+                "offload_lua_handlers.fail_tostring" }
+            local seen, kb = {}
+            for round = 1, 1000 do
+                for _, name in ipairs(names) do
+                    local res, err = LUA_RT:call(name, "x")
+                    if res then return ngx.say("answered ", name) end
+                    -- the kind of failure: the message without the paths
+                    seen[err:gsub("/[^:]*:%d+:", ""):match("^[^\\n]*")]
+                        = true
+                end
+                assert(LUA_RT:call("offload_lua_handlers.echo", "ok") == "ok")
+                if round == 100 then
+                    kb = tonumber(LUA_RT:call("offload_lua_handlers.heap_kb", ""))
+                end
+            end
+            kb = tonumber(LUA_RT:call("offload_lua_handlers.heap_kb", "")) - kb
+            local keys = {}
+            for k in pairs(seen) do keys[#keys + 1] = k end
+            table.sort(keys)
+            ngx.say(#keys, " ", kb)
+            ngx.say(table.concat(keys, "\\n"))
+        }
+    }
+    """)
+    n.allow_log(r"lua handler ")
+    r = n.get("/errors", timeout=60)
+    lines = r.text.splitlines()
+    # one message per failure kind, the same on the 1,000th round
+    kinds, grew_kb = lines[0].split()
+    assert kinds == "7", lines
+    assert float(grew_kb) < 32, lines[0]
+    assert any("error in error handling" in l for l in lines), lines
+    assert call(n, "offload_lua_handlers.echo", "still").text == "still"

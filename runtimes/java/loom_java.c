@@ -18,6 +18,8 @@
  *     java_home=<dir>       the JDK or JRE (default: the one the runtime
  *                           was built with)
  *
+ * Any other word fails the load (see ../common/loom_rt_config.h).
+ *
  * One JVM per worker process (a process can hold only one): the first
  * load in a worker creates it, on the host's start-up thread, after fork
  * (never in the master), with -Xrs so that nginx keeps HUP, QUIT, TERM,
@@ -37,6 +39,7 @@
 #define _GNU_SOURCE
 #define LOOM_OFFLOAD_NO_PROTOTYPES
 #include <loom_offload.h>
+#include "../common/loom_rt_config.h"
 
 #include <jni.h>
 
@@ -85,15 +88,16 @@ int loom_offload_init(loom_offload_init_t *init);
 __attribute__((visibility("default")))
 void loom_offload_shutdown(void *instance);
 
-static char *loom_java_config_get(const char *cfg, const char *key);
-static int loom_java_config_check(const char *cfg, char *err,
-    size_t err_size);
 static int loom_java_start_vm(loom_java_rt_t *rt, const char *config,
     char *err, size_t err_size);
 static int loom_java_register(JNIEnv *env, char *err, size_t err_size);
 static void loom_java_describe(JNIEnv *env, const char *what, char *err,
     size_t err_size);
 
+
+static const char *const  loom_java_config_keys[] = {
+    "classpath", "xmx", "cpus", "jvm_options", "java_home", NULL
+};
 
 /* the worker's JVM and the options it was made with */
 static JavaVM           *loom_java_vm;
@@ -139,87 +143,7 @@ loom_java_vfprintf(FILE *fp, const char *fmt, va_list args)
 }
 
 
-/* the value of key in "k=v k=v", as a new string, or NULL */
-static char *
-loom_java_config_get(const char *cfg, const char *key)
-{
-    size_t       klen;
-    const char  *p, *v;
 
-    klen = strlen(key);
-    p = cfg;
-
-    for ( ;; ) {
-        while (*p == ' ' || *p == '\t' || *p == '\n') {
-            p++;
-        }
-
-        if (*p == '\0') {
-            return NULL;
-        }
-
-        v = p;
-        while (*v != '\0' && *v != ' ' && *v != '\t' && *v != '\n') {
-            v++;
-        }
-
-        if ((size_t) (v - p) > klen && strncmp(p, key, klen) == 0
-            && p[klen] == '=')
-        {
-            return strndup(p + klen + 1, v - p - klen - 1);
-        }
-
-        p = v;
-    }
-}
-
-
-/*
- * Refuses (-1, the reason in err) a configuration with a token that is
- * not <known key>=<value>: a misspelled key would otherwise be ignored
- * and its default used without a word
- */
-static int
-loom_java_config_check(const char *cfg, char *err, size_t err_size)
-{
-    size_t        len, klen;
-    const char   *p, *v, *const *k;
-
-    static const char *const  keys[] = {
-        "classpath", "xmx", "cpus", "jvm_options", "java_home", NULL
-    };
-
-    for (p = cfg; ; p = v) {
-        while (*p == ' ' || *p == '\t' || *p == '\n') {
-            p++;
-        }
-
-        if (*p == '\0') {
-            return 0;
-        }
-
-        v = p;
-        while (*v != '\0' && *v != ' ' && *v != '\t' && *v != '\n') {
-            v++;
-        }
-
-        len = v - p;
-
-        for (k = keys; *k != NULL; k++) {
-            klen = strlen(*k);
-
-            if (len > klen && strncmp(p, *k, klen) == 0 && p[klen] == '=') {
-                break;
-            }
-        }
-
-        if (*k == NULL) {
-            snprintf(err, err_size, "bad configuration \"%.*s\": want "
-                     "<key>=<value>, the keys being classpath, xmx, cpus, jvm_options, java_home", (int) len, p);
-            return -1;
-        }
-    }
-}
 
 
 /* ---- native methods of loom.offload.Native ---- */
@@ -611,10 +535,10 @@ loom_java_start_vm(loom_java_rt_t *rt, const char *config, char *err,
     JavaVMInitArgs       args;
     loom_java_create_pt  create;
 
-    xmx = loom_java_config_get(config, "xmx");
-    cpus = loom_java_config_get(config, "cpus");
-    extra = loom_java_config_get(config, "jvm_options");
-    home = loom_java_config_get(config, "java_home");
+    xmx = loom_rt_config_get(config, "xmx");
+    cpus = loom_rt_config_get(config, "cpus");
+    extra = loom_rt_config_get(config, "jvm_options");
+    home = loom_rt_config_get(config, "java_home");
 
     rc = -1;
     key = NULL;
@@ -780,7 +704,10 @@ loom_offload_init(loom_offload_init_t *init)
         return 1;
     }
 
-    if (loom_java_config_check(init->config, init->err, init->err_size) != 0)
+    if (loom_rt_config_check(init->config, loom_java_config_keys,
+                             "classpath, xmx, cpus, jvm_options, java_home",
+                             init->err, init->err_size)
+        != 0)
     {
         return 1;
     }
@@ -815,7 +742,7 @@ loom_offload_init(loom_offload_init_t *init)
         return 1;
     }
 
-    classpath = loom_java_config_get(init->config, "classpath");
+    classpath = loom_rt_config_get(init->config, "classpath");
     rc = 1;
 
     cls = (*env)->FindClass(env, "loom/offload/Runtime");

@@ -87,6 +87,21 @@ function _M.cpu(data)
 end
 
 
+-- an error value whose __tostring itself fails: the traceback handler
+-- errors too
+function _M.fail_tostring()
+    error(setmetatable({}, { __tostring = function() error("again") end }))
+end
+
+
+-- kilobytes this state's heap holds after a full collection
+function _M.heap_kb()
+    collectgarbage()
+    collectgarbage()
+    return string.format("%.1f", collectgarbage("count"))
+end
+
+
 -- makes garbage (a table of strings) and answers with part of it
 function _M.churn(data)
     local t = {}
