@@ -321,3 +321,17 @@ def test_misspelled_configuration_key_fails_the_load(nginx):
     n.wait_log(r'bad configuration "xmxx=256m": want <key>=<value>, the '
                r'keys being classpath, xmx, cpus, jvm_options, java_home')
     assert call(n, "Echo", "x").text == "ERR closed"
+
+
+def test_handler_name_that_is_not_utf8(nginx):
+    # the name goes to Java through NewStringUTF, which wants modified
+    # UTF-8: bytes that are not must give the call an error, not a JNI
+    # check warning or a crash
+    n = start(nginx)
+    n.allow_log(r"java handler ")
+    pid = n.worker_pids()
+    r = n.get("/call?c=loom.%FF%FE%C0%80x&d=x")
+    assert r.status == 502 and r.text.startswith("ERR runtime error: "), \
+        r.text
+    assert call(n, "Echo", "after").text == "after"
+    assert n.worker_pids() == pid
