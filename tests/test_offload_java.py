@@ -50,14 +50,14 @@ def no_jni_warnings(nginx):
 
 
 def start(nginx, workers=1, threads=2, queue=64, timeout=5, cfg=CONFIG,
-          server="", **kw):
+          server="", lib=LIB, **kw):
     http = """
     init_worker_by_lua_block {
         local offload = require "resty.loom.offload"
         JAVA, JAVA_ERR = offload.load("%s", "%s",
             { threads = %d, queue = %d, timeout = %s, grace = 2 })
     }
-    """ % (LIB, cfg, threads, queue, timeout)
+    """ % (lib, cfg, threads, queue, timeout)
     server = """
     location /call {
         content_by_lua_block {
@@ -335,3 +335,33 @@ def test_handler_name_that_is_not_utf8(nginx):
         r.text
     assert call(n, "Echo", "after").text == "after"
     assert n.worker_pids() == pid
+
+
+def test_jvm_without_the_api_classes_fails_every_load_cleanly(nginx, tmp_path):
+    # the JVM starts but loom.offload.Native cannot be found (a broken or
+    # foreign loom-offload.jar next to the library): the first load fails,
+    # and a second load in that worker used to dereference a NULL key and
+    # kill the worker
+    lib = tmp_path / "libloom_rt_java.so"
+    shutil.copy(LIB, lib)
+    with open(tmp_path / "loom-offload.jar", "wb") as f:
+        f.write(b"PK\x05\x06" + b"\0" * 18)     # an empty zip
+    n = start(nginx, cfg="classpath=%s xmx=48m cpus=1" % EXAMPLES, lib=lib,
+              server="""
+    location /again {
+        content_by_lua_block {
+            local offload = require "resty.loom.offload"
+            local rt = assert(offload.load("%s",
+                "classpath=%s xmx=48m cpus=1", { threads = 1 }))
+            ngx.say(rt:wait_ready(10))
+        }
+    }
+    """ % (lib, tmp_path))
+    n.allow_log(r"failed to start .*libloom_rt_java\.so: "
+                r"(failed to find loom\.offload\.Native|this worker's JVM)")
+    n.wait_log(r"failed to find loom\.offload\.Native", timeout=30)
+    pid = n.worker_pids()
+    assert n.get("/again", timeout=30).text.startswith(
+        "nilfailed to start: ")
+    assert n.worker_pids() == pid
+    assert "exited on signal" not in n.error_log()

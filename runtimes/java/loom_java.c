@@ -102,6 +102,9 @@ static const char *const  loom_java_config_keys[] = {
 /* the worker's JVM and the options it was made with */
 static JavaVM           *loom_java_vm;
 static char             *loom_java_vm_key;
+
+/* it started, but without loom.offload.Native: every load fails */
+static int               loom_java_vm_unusable;
 static pthread_mutex_t   loom_java_vm_lock = PTHREAD_MUTEX_INITIALIZER;
 
 /* where the JVM's own messages go while it starts */
@@ -553,6 +556,13 @@ loom_java_start_vm(loom_java_rt_t *rt, const char *config, char *err,
     }
 
     if (loom_java_vm != NULL) {
+        if (loom_java_vm_unusable) {
+            snprintf(err, err_size, "this worker's JVM started without "
+                     "loom.offload.Native (see the first load's error), "
+                     "and a process cannot make another");
+            goto done;
+        }
+
         if (strcmp(key, loom_java_vm_key) != 0) {
             snprintf(err, err_size, "this worker's JVM was started with "
                      "\"%s\", not \"%s\" (one JVM per process)",
@@ -666,6 +676,7 @@ loom_java_start_vm(loom_java_rt_t *rt, const char *config, char *err,
 
     if (loom_java_register(env, err, err_size) != 0) {
         /* the JVM stays: a process cannot make another */
+        loom_java_vm_unusable = 1;
         rc = -1;
         goto done;
     }
