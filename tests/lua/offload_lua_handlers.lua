@@ -2,6 +2,9 @@
 -- tests/test_offload_lua.py: each offload thread requires this module once
 -- into its own resident state.
 
+-- the runtime's global table (loom.cancelled, loom.log, loom.thread)
+-- luacheck: read globals loom
+
 local socket = require "socket"
 
 local tonumber = tonumber
