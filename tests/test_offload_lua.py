@@ -330,6 +330,7 @@ def test_named_call_with_a_buffer_or_bad_options(nginx):
             ngx.say(ok, " ", err)
             ok, err = pcall(LUA_RT.call, LUA_RT, "x", "y", "z")
             ngx.say(ok, " ", err)
+            ngx.say(LUA_RT:call("offload_lua_handlers.echo", "f", false))
         }
     }
     """)
@@ -340,6 +341,7 @@ def test_named_call_with_a_buffer_or_bad_options(nginx):
         "opts must be a table"), lines
     assert lines[3].startswith("false ") and lines[3].endswith(
         "opts must be a table"), lines
+    assert lines[4] == "f", lines
 
 
 def rss_kb(pid):

@@ -226,7 +226,8 @@ function _M.load(name, config, opts)
         error("config must be a string", 2)
     end
 
-    if opts ~= nil and type(opts) ~= "table" then
+    -- nil or false: no options (`t and { timeout = t }` is common)
+    if opts and type(opts) ~= "table" then
         error("opts must be a table", 2)
     end
 
@@ -318,7 +319,8 @@ function _M.call(self, payload, opts, named_opts)
         opts = named_opts
     end
 
-    if opts ~= nil and type(opts) ~= "table" then
+    -- nil or false: no options (`t and { timeout = t }` is common)
+    if opts and type(opts) ~= "table" then
         error("opts must be a table", 2)
     end
 
