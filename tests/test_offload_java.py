@@ -2,6 +2,7 @@
 JVM embedded in each worker, and its life with nginx's signals."""
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -27,15 +28,36 @@ def java_runtime():
     subprocess.run(["make", "-s", "-C", RT_DIR], check=True)
 
 
+# what -Xcheck:jni prints (through the runtime's vfprintf hook, on the
+# worker's stderr, that is the error log) about a JNI call made wrongly
+JNI_CHECK = re.compile(r"WARNING in native method|FATAL ERROR in native "
+                       r"method|WARNING: JNI local refs")
+
+STARTED = []
+
+
+@pytest.fixture(autouse=True)
+def no_jni_warnings(nginx):
+    """Every instance's log, read after it stopped, has no JNI check
+    warning (the harness looks only at [error]/[crit]/[alert] lines)."""
+    del STARTED[:]
+    yield
+    for n in STARTED:
+        n.stop()
+        bad = [line for line in n.error_log().splitlines()
+               if JNI_CHECK.search(line)]
+        assert not bad, "\n".join(bad[:10])
+
+
 def start(nginx, workers=1, threads=2, queue=64, timeout=5, cfg=CONFIG,
-          server="", **kw):
+          server="", lib=LIB, **kw):
     http = """
     init_worker_by_lua_block {
         local offload = require "resty.loom.offload"
         JAVA, JAVA_ERR = offload.load("%s", "%s",
             { threads = %d, queue = %d, timeout = %s, grace = 2 })
     }
-    """ % (LIB, cfg, threads, queue, timeout)
+    """ % (lib, cfg, threads, queue, timeout)
     server = """
     location /call {
         content_by_lua_block {
@@ -54,8 +76,12 @@ def start(nginx, workers=1, threads=2, queue=64, timeout=5, cfg=CONFIG,
         }
     }
     location /plain { content_by_lua_block { ngx.say("plain") } }
+    location /running {
+        content_by_lua_block { ngx.print(JAVA:stats().running) }
+    }
     """ + server
     n = nginx(workers=workers, http=http, server=server, **kw)
+    STARTED.append(n)
     return n
 
 
@@ -210,3 +236,132 @@ def test_term_stops_workers_with_their_jvms(nginx):
     assert not any(os.path.exists("/proc/%d/status" % p) and
                    "zombie" not in open("/proc/%d/status" % p).read()
                    for p in pids + [master])
+
+
+def test_payload_larger_than_the_heap_is_an_error_and_the_thread_stays(
+        nginx):
+    # the request is copied into a Java byte[]: one larger than the heap
+    # throws OutOfMemoryError in the copy, before the handler runs. The
+    # call must get that error and the only thread keep serving (it used
+    # to die with the task unanswered: every later call timed out)
+    n = start(nginx, threads=1, timeout=5,
+              cfg="classpath=%s xmx=16m cpus=1 jvm_options=-Xcheck:jni,"
+                  "-XX:+UseSerialGC" % EXAMPLES,
+              server="""
+    location /big {
+        content_by_lua_block {
+            local res, err = JAVA:call("loom.example.Echo",
+                                       string.rep("x", 48 * 1024 * 1024))
+            ngx.print(res and #res or err)
+        }
+    }
+    """)
+    n.allow_log(r"java handler loom\.example\.Echo: "
+                r"java\.lang\.OutOfMemoryError")
+    assert call(n, "Echo", "warm").text == "warm"
+    r = n.get("/big", timeout=30)
+    assert r.text == "runtime error: java.lang.OutOfMemoryError: " \
+        "Java heap space", r.text
+    for i in range(3):
+        assert call(n, "Echo", "after%d" % i, t=5).text == "after%d" % i
+    n.wait_log(r"java handler loom\.example\.Echo: "
+               r"java\.lang\.OutOfMemoryError: Java heap space")
+
+
+def test_reloads_while_jvms_start_do_not_count_as_crashes(nginx):
+    # workers that a reload (or quit) retires while their JVM is still
+    # starting exit normally: that is no JVM crash, and must not count
+    # towards the 3 exits after which the runtime stops trying. Old
+    # workers made the count reach 4 in one reload, and the next
+    # generation refused to start Java at all
+    n = start(nginx, workers=4, timeout=20,
+              cfg="classpath=%s xmx=48m cpus=1 jvm_options=-Xcheck:jni,"
+                  "-XX:+UseSerialGC,-Xms48m,-XX:+AlwaysPreTouch" % EXAMPLES)
+    n.allow_log(r"still starting at exit|SIGSEGV handler modified")
+    n.reload()
+    n.reload()
+    for i in range(8):
+        r = call(n, "Echo", "x%d" % i, t=20)
+        assert r.text == "x%d" % i, r.text
+    assert "exited the worker" not in n.error_log()
+
+
+def test_quit_with_a_handler_stuck_in_java_ends_after_the_grace(nginx):
+    # a handler that never looks at cancellation holds the only Java
+    # thread: QUIT closes the queue after the grace (2 s), the call gets
+    # "closed", the runtime is abandoned after another grace, and the
+    # worker exits with the JVM's threads still running, without a crash
+    n = start(nginx, threads=1)
+    n.allow_log(r"did not shut down within 2000 ms")
+    out = []
+    th = threading.Thread(target=lambda: out.append(
+        call(n, "Work", "hang 60000", t=120, timeout=120)))
+    th.start()
+    deadline = time.time() + 10
+    while n.get("/running").text != "1":
+        assert time.time() < deadline
+        time.sleep(0.05)
+    t0 = time.time()
+    n.quit()
+    took = time.time() - t0
+    th.join()
+    assert out[0].text == "ERR closed"
+    # the handler sleeps 60 s: nginx did not wait for it
+    assert took < 30, took
+    log = n.error_log()
+    assert "did not shut down within 2000 ms, abandoned" in log
+    assert "exited on signal" not in log
+
+
+def test_misspelled_configuration_key_fails_the_load(nginx):
+    # "xmxx=256m" was ignored: the JVM started with the default 64m heap
+    # and nothing said so
+    n = start(nginx, cfg="classpath=%s xmxx=256m" % EXAMPLES)
+    n.allow_log(r'failed to start .*bad configuration "xmxx=256m"')
+    n.wait_log(r'bad configuration "xmxx=256m": want <key>=<value>, the '
+               r'keys being classpath, xmx, cpus, jvm_options, java_home')
+    assert call(n, "Echo", "x").text == "ERR closed"
+
+
+def test_handler_name_that_is_not_utf8(nginx):
+    # the name goes to Java through NewStringUTF, which wants modified
+    # UTF-8: bytes that are not must give the call an error, not a JNI
+    # check warning or a crash
+    n = start(nginx)
+    n.allow_log(r"java handler ")
+    pid = n.worker_pids()
+    r = n.get("/call?c=loom.%FF%FE%C0%80x&d=x")
+    assert r.status == 502 and r.text.startswith("ERR runtime error: "), \
+        r.text
+    assert call(n, "Echo", "after").text == "after"
+    assert n.worker_pids() == pid
+
+
+def test_jvm_without_the_api_classes_fails_every_load_cleanly(nginx, tmp_path):
+    # the JVM starts but loom.offload.Native cannot be found (a broken or
+    # foreign loom-offload.jar next to the library): the first load fails,
+    # and a second load in that worker used to dereference a NULL key and
+    # kill the worker
+    lib = tmp_path / "libloom_rt_java.so"
+    shutil.copy(LIB, lib)
+    with open(tmp_path / "loom-offload.jar", "wb") as f:
+        f.write(b"PK\x05\x06" + b"\0" * 18)     # an empty zip
+    n = start(nginx, cfg="classpath=%s xmx=48m cpus=1" % EXAMPLES, lib=lib,
+              server="""
+    location /again {
+        content_by_lua_block {
+            local offload = require "resty.loom.offload"
+            local rt = assert(offload.load("%s",
+                "classpath=%s xmx=48m cpus=1", { threads = 1 }))
+            ngx.say(rt:wait_ready(10))
+        }
+    }
+    """ % (lib, tmp_path))
+    n.allow_log(r"failed to start .*libloom_rt_java\.so: "
+                r"(failed to find loom\.offload\.Native|this worker's JVM)")
+    n.wait_log(r"failed to find loom\.offload\.Native", timeout=30)
+    pid = n.worker_pids()
+    assert n.get("/again", timeout=30).text.startswith(
+        "nilfailed to start: ")
+    assert n.worker_pids() == pid
+    assert "exited on signal" not in n.error_log()

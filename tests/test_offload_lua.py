@@ -297,3 +297,148 @@ def test_os_execute_gets_the_exit_status(nginx):
     got = n.get("/exec", timeout=20).text.strip().split(",")
     # LuaJIT's os.execute returns the wait status: exit code * 256
     assert got == [str((i % 4) * 256) for i in range(1, 21)]
+
+
+def test_handler_name_longer_than_the_limit_is_refused(nginx):
+    # a name over 256 bytes was cut to 256 for the lookup while the data
+    # started 256 bytes in: a handler ran under a wrong name with the
+    # rest of the name and the NUL as its data
+    n = start(nginx, cfg=config(preload=None))
+    n.allow_log(r"lua handler ")
+    fn = "f" * 300
+    r = call(n, "offload_lua_any." + fn, "data")
+    assert r.status == 502 and "longer than 256 bytes" in r.text, r.text[:80]
+    ok = "g" * (256 - len("offload_lua_any."))
+    r = call(n, "offload_lua_any." + ok, "data")
+    assert r.text == ok + "|data"
+
+
+def test_named_call_with_a_buffer_or_bad_options(nginx):
+    # rt:call(name, buf) with a string.buffer as the data sent the name
+    # alone (the buffer was taken for opts): the Lua runtime answered "no
+    # handler name", and a runtime that takes a bare name as a call with
+    # empty data (Java) answered as if the data were ""
+    n = start(nginx, server="""
+    location /buf {
+        content_by_lua_block {
+            local buffer = require "string.buffer"
+            local b = buffer.new():put("from a buffer")
+            ngx.say(LUA_RT:call("offload_lua_handlers.echo", b))
+            ngx.say(#b)
+            local ok, err = pcall(LUA_RT.call, LUA_RT,
+                                  "offload_lua_handlers.echo", 42)
+            ngx.say(ok, " ", err)
+            ok, err = pcall(LUA_RT.call, LUA_RT, "x", "y", "z")
+            ngx.say(ok, " ", err)
+            ngx.say(LUA_RT:call("offload_lua_handlers.echo", "f", false))
+        }
+    }
+    """)
+    lines = n.get("/buf").text.splitlines()
+    assert lines[0] == "from a buffer", lines
+    assert lines[1] == "13", lines
+    assert lines[2].startswith("false ") and lines[2].endswith(
+        "opts must be a table"), lines
+    assert lines[3].startswith("false ") and lines[3].endswith(
+        "opts must be a table"), lines
+    assert lines[4] == "f", lines
+
+
+def rss_kb(pid):
+    with open("/proc/%d/status" % pid) as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+
+
+def test_memory_stays_flat_over_many_calls(nginx):
+    # each state's heap and the worker's task memory reach a steady size:
+    # another 60,000 calls that each make garbage in the handler leave
+    # the worker's RSS within 4 MiB of where it was after the first 60,000
+    n = start(nginx, threads=2, queue=1024, server="""
+    location /many {
+        content_by_lua_block {
+            local count = tonumber(ngx.var.arg_n)
+            local data = string.rep("d", 200)
+            local function run(k)
+                for _ = 1, count / 8 do
+                    local res, err = LUA_RT:call("offload_lua_handlers.churn",
+                                                 data)
+                    if res ~= data .. "1," .. data .. "2" then
+                        return error(tostring(err or res))
+                    end
+                end
+                return true
+            end
+            local ths = {}
+            for k = 1, 8 do ths[k] = ngx.thread.spawn(run, k) end
+            for k = 1, 8 do assert(ngx.thread.wait(ths[k])) end
+            ngx.print("ok")
+        }
+    }
+    """)
+    pid = n.worker_pids()[0]
+    assert n.get("/many?n=60000", timeout=120).text == "ok"
+    before = rss_kb(pid)
+    assert n.get("/many?n=60000", timeout=120).text == "ok"
+    after = rss_kb(pid)
+    assert after - before < 4096, (before, after)
+
+
+def test_misspelled_configuration_key_fails_the_load(nginx):
+    # "preloads=..." was ignored: the states started without the module
+    # and nothing said so
+    n = start(nginx, cfg=config(preload=None) + " preloads=offload_lua_any")
+    n.allow_log(r'failed to start .*bad configuration "preloads=')
+    n.wait_log(r'bad configuration "preloads=offload_lua_any": want '
+               r'<key>=<value>, the keys being path, cpath, preload')
+    r = call(n, "offload_lua_handlers.echo", "x")
+    assert (r.status, r.text) == (502, "ERR closed")
+
+
+def test_error_paths_keep_the_state_balanced(nginx):
+    # every way a call can fail, 1,000 times each on the one thread: the
+    # state's heap (stack included: LuaJIT grows it as values are pushed,
+    # and what a leaked slot holds stays reachable) is the same size after
+    # the 1,000th round as after the 100th
+    n = start(nginx, threads=1, server="""
+    location /errors {
+        content_by_lua_block {
+            local names = { "nodot", "no_such_module_q.f",
+                "offload_lua_handlers.missing",
+                "offload_lua_handlers.bad_return",
+                "offload_lua_handlers.fail",
+                "offload_lua_handlers.fail_table",
+                "offload_lua_handlers.fail_tostring" }
+            local seen, kb = {}
+            for round = 1, 1000 do
+                for _, name in ipairs(names) do
+                    local res, err = LUA_RT:call(name, "x")
+                    if res then return ngx.say("answered ", name) end
+                    -- the kind of failure: the message without the paths
+                    seen[err:gsub("/[^:]*:%d+:", ""):match("^[^\\n]*")]
+                        = true
+                end
+                assert(LUA_RT:call("offload_lua_handlers.echo", "ok") == "ok")
+                if round == 100 then
+                    kb = tonumber(LUA_RT:call("offload_lua_handlers.heap_kb", ""))
+                end
+            end
+            kb = tonumber(LUA_RT:call("offload_lua_handlers.heap_kb", "")) - kb
+            local keys = {}
+            for k in pairs(seen) do keys[#keys + 1] = k end
+            table.sort(keys)
+            ngx.say(#keys, " ", kb)
+            ngx.say(table.concat(keys, "\\n"))
+        }
+    }
+    """)
+    n.allow_log(r"lua handler ")
+    r = n.get("/errors", timeout=60)
+    lines = r.text.splitlines()
+    # one message per failure kind, the same on the 1,000th round
+    kinds, grew_kb = lines[0].split()
+    assert kinds == "7", lines
+    assert float(grew_kb) < 32, lines[0]
+    assert any("error in error handling" in l for l in lines), lines
+    assert call(n, "offload_lua_handlers.echo", "still").text == "still"

@@ -18,6 +18,8 @@
  *     java_home=<dir>       the JDK or JRE (default: the one the runtime
  *                           was built with)
  *
+ * Any other word fails the load (see ../common/loom_rt_config.h).
+ *
  * One JVM per worker process (a process can hold only one): the first
  * load in a worker creates it, on the host's start-up thread, after fork
  * (never in the master), with -Xrs so that nginx keeps HUP, QUIT, TERM,
@@ -37,6 +39,7 @@
 #define _GNU_SOURCE
 #define LOOM_OFFLOAD_NO_PROTOTYPES
 #include <loom_offload.h>
+#include "../common/loom_rt_config.h"
 
 #include <jni.h>
 
@@ -45,11 +48,15 @@
 #include <fcntl.h>
 #include <libgen.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 
@@ -81,7 +88,6 @@ int loom_offload_init(loom_offload_init_t *init);
 __attribute__((visibility("default")))
 void loom_offload_shutdown(void *instance);
 
-static char *loom_java_config_get(const char *cfg, const char *key);
 static int loom_java_start_vm(loom_java_rt_t *rt, const char *config,
     char *err, size_t err_size);
 static int loom_java_register(JNIEnv *env, char *err, size_t err_size);
@@ -89,9 +95,16 @@ static void loom_java_describe(JNIEnv *env, const char *what, char *err,
     size_t err_size);
 
 
+static const char *const  loom_java_config_keys[] = {
+    "classpath", "xmx", "cpus", "jvm_options", "java_home", NULL
+};
+
 /* the worker's JVM and the options it was made with */
 static JavaVM           *loom_java_vm;
 static char             *loom_java_vm_key;
+
+/* it started, but without loom.offload.Native: every load fails */
+static int               loom_java_vm_unusable;
 static pthread_mutex_t   loom_java_vm_lock = PTHREAD_MUTEX_INITIALIZER;
 
 /* where the JVM's own messages go while it starts */
@@ -133,39 +146,7 @@ loom_java_vfprintf(FILE *fp, const char *fmt, va_list args)
 }
 
 
-/* the value of key in "k=v k=v", as a new string, or NULL */
-static char *
-loom_java_config_get(const char *cfg, const char *key)
-{
-    size_t       klen;
-    const char  *p, *v;
 
-    klen = strlen(key);
-    p = cfg;
-
-    for ( ;; ) {
-        while (*p == ' ' || *p == '\t' || *p == '\n') {
-            p++;
-        }
-
-        if (*p == '\0') {
-            return NULL;
-        }
-
-        v = p;
-        while (*v != '\0' && *v != ' ' && *v != '\t' && *v != '\n') {
-            v++;
-        }
-
-        if ((size_t) (v - p) > klen && strncmp(p, key, klen) == 0
-            && p[klen] == '=')
-        {
-            return strndup(p + klen + 1, v - p - klen - 1);
-        }
-
-        p = v;
-    }
-}
 
 
 /* ---- native methods of loom.offload.Native ---- */
@@ -393,47 +374,153 @@ loom_java_describe(JNIEnv *env, const char *what, char *err,
 
 
 /*
- * Counts, in a file, JVM starts under this master with these options that
- * did not come back; returns the count before this attempt, or -1.
+ * The crash-loop guard: a file lists the workers (pids) that started a
+ * JVM under this master with these options and did not come back from
+ * it. One whose process is gone was exited by the JVM while starting, or
+ * crashed; one still alive is starting now (the workers start their JVMs
+ * at the same time) and counts for nothing. A start that returns takes
+ * its pid out, and so does a worker that nginx exits while its JVM is
+ * still starting (a reload or quit: that exit is made on the main
+ * thread, the JVM's on the starting one). The file is named after the
+ * master's pid and start time (a later master reusing the pid, as in a
+ * restarted container, starts afresh), opened without following links,
+ * used only when this user owns it, and changed under a lock.
  */
-static int
-loom_java_attempt(const char *key, int done)
+
+static char  loom_java_attempt_path[256];
+static int   loom_java_creating;
+
+
+static void
+loom_java_attempt_name(const char *key)
 {
-    int            fd, count;
-    char           path[256], buf[16];
-    ssize_t        n;
-    unsigned long  hash;
-    const char    *p;
+    int                 fd;
+    char                buf[1024], *p;
+    pid_t               ppid;
+    ssize_t             n;
+    unsigned long       hash;
+    unsigned long long  started;
 
     hash = 5381;
-    for (p = key; *p; p++) {
+    for (p = (char *) key; *p; p++) {
         hash = hash * 33 + (unsigned char) *p;
     }
 
-    snprintf(path, sizeof(path), "/tmp/loom-jvm-start-%ld-%lx",
-             (long) getppid(), hash);
+    ppid = getppid();
+    started = 0;
 
-    if (done) {
-        unlink(path);
-        return 0;
+    snprintf(buf, sizeof(buf), "/proc/%ld/stat", (long) ppid);
+    fd = open(buf, O_RDONLY | O_CLOEXEC);
+
+    if (fd != -1) {
+        n = read(fd, buf, sizeof(buf) - 1);
+        close(fd);
+        buf[n > 0 ? n : 0] = '\0';
+
+        /* starttime is field 22; the name (field 2) may hold spaces */
+        p = strrchr(buf, ')');
+
+        if (p != NULL) {
+            (void) sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u "
+                          "%*u %*u %*u %*d %*d %*d %*d %*d %*d %llu",
+                          &started);
+        }
     }
 
-    fd = open(path, O_RDWR | O_CREAT, 0600);
+    snprintf(loom_java_attempt_path, sizeof(loom_java_attempt_path),
+             "/tmp/loom-jvm-start-%ld-%llu-%lx", (long) ppid, started, hash);
+}
+
+
+/*
+ * Adds this process to the file (op 1: returns the number of processes
+ * listed that are gone, or -1 when the file cannot be used; when that
+ * number reaches LOOM_JAVA_MAX_ATTEMPTS this process is not added), or
+ * takes it out (op 0), with the gone ones too (op -1: the JVM started).
+ */
+static int
+loom_java_attempt(int op)
+{
+    int          fd, gone, keep;
+    char         buf[4096], out[4096], *p, *end;
+    long         pid, self;
+    size_t       len;
+    ssize_t      n;
+    struct stat  st;
+
+    fd = open(loom_java_attempt_path,
+              O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
     if (fd == -1) {
         return -1;
     }
 
-    n = read(fd, buf, sizeof(buf) - 1);
-    buf[n > 0 ? n : 0] = '\0';
-    count = atoi(buf);
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)
+        || st.st_uid != geteuid() || flock(fd, LOCK_EX) != 0)
+    {
+        close(fd);
+        return -1;
+    }
 
-    n = snprintf(buf, sizeof(buf), "%d\n", count + 1);
-    if (lseek(fd, 0, SEEK_SET) != 0 || write(fd, buf, n) != n) {
-        count = -1;
+    n = pread(fd, buf, sizeof(buf) - 1, 0);
+    buf[n > 0 ? n : 0] = '\0';
+
+    self = (long) getpid();
+    gone = 0;
+    len = 0;
+
+    for (p = buf; *p; p = end) {
+        pid = strtol(p, &end, 10);
+
+        if (end == p) {
+            break;
+        }
+
+        if (pid <= 0 || pid == self) {
+            continue;
+        }
+
+        keep = kill((pid_t) pid, 0) == 0 || errno != ESRCH;
+
+        if (!keep) {
+            gone++;
+
+            if (op == -1) {
+                continue;
+            }
+        }
+
+        if (len + 24 < sizeof(out)) {
+            len += snprintf(out + len, sizeof(out) - len, "%ld\n", pid);
+        }
+    }
+
+    if (op == 1 && gone < LOOM_JAVA_MAX_ATTEMPTS) {
+        len += snprintf(out + len, sizeof(out) - len, "%ld\n", self);
+    }
+
+    if (len == 0) {
+        (void) unlink(loom_java_attempt_path);
+
+    } else if (ftruncate(fd, 0) != 0
+               || pwrite(fd, out, len, 0) != (ssize_t) len)
+    {
+        gone = -1;
     }
 
     close(fd);
-    return count;
+    return gone;
+}
+
+
+/* at exit: a worker nginx exits during the start is no JVM failure */
+static void
+loom_java_atexit(void)
+{
+    if (__atomic_load_n(&loom_java_creating, __ATOMIC_ACQUIRE)
+        && (pid_t) syscall(SYS_gettid) == getpid())
+    {
+        (void) loom_java_attempt(0);
+    }
 }
 
 
@@ -451,10 +538,10 @@ loom_java_start_vm(loom_java_rt_t *rt, const char *config, char *err,
     JavaVMInitArgs       args;
     loom_java_create_pt  create;
 
-    xmx = loom_java_config_get(config, "xmx");
-    cpus = loom_java_config_get(config, "cpus");
-    extra = loom_java_config_get(config, "jvm_options");
-    home = loom_java_config_get(config, "java_home");
+    xmx = loom_rt_config_get(config, "xmx");
+    cpus = loom_rt_config_get(config, "cpus");
+    extra = loom_rt_config_get(config, "jvm_options");
+    home = loom_rt_config_get(config, "java_home");
 
     rc = -1;
     key = NULL;
@@ -469,6 +556,13 @@ loom_java_start_vm(loom_java_rt_t *rt, const char *config, char *err,
     }
 
     if (loom_java_vm != NULL) {
+        if (loom_java_vm_unusable) {
+            snprintf(err, err_size, "this worker's JVM started without "
+                     "loom.offload.Native (see the first load's error), "
+                     "and a process cannot make another");
+            goto done;
+        }
+
         if (strcmp(key, loom_java_vm_key) != 0) {
             snprintf(err, err_size, "this worker's JVM was started with "
                      "\"%s\", not \"%s\" (one JVM per process)",
@@ -541,7 +635,13 @@ loom_java_start_vm(loom_java_rt_t *rt, const char *config, char *err,
         goto done;
     }
 
-    tries = loom_java_attempt(key, 0);
+    if (loom_java_attempt_path[0] == '\0') {
+        (void) atexit(loom_java_atexit);
+    }
+
+    loom_java_attempt_name(key);
+
+    tries = loom_java_attempt(1);
     if (tries >= LOOM_JAVA_MAX_ATTEMPTS) {
         snprintf(err, err_size, "the JVM exited the worker %d times while "
                  "starting with \"%s\" (see its messages above): not "
@@ -556,10 +656,15 @@ loom_java_start_vm(loom_java_rt_t *rt, const char *config, char *err,
     args.ignoreUnrecognized = JNI_FALSE;
 
     loom_java_starting = rt;
+    __atomic_store_n(&loom_java_creating, 1, __ATOMIC_RELEASE);
+
     rc = create(&loom_java_vm, &env, &args);
+
+    __atomic_store_n(&loom_java_creating, 0, __ATOMIC_RELEASE);
     loom_java_starting = NULL;
 
-    loom_java_attempt(key, 1);
+    /* it came back, whatever it says: the options do not exit workers */
+    (void) loom_java_attempt(-1);
 
     if (rc != JNI_OK) {
         loom_java_vm = NULL;
@@ -571,6 +676,7 @@ loom_java_start_vm(loom_java_rt_t *rt, const char *config, char *err,
 
     if (loom_java_register(env, err, err_size) != 0) {
         /* the JVM stays: a process cannot make another */
+        loom_java_vm_unusable = 1;
         rc = -1;
         goto done;
     }
@@ -609,6 +715,14 @@ loom_offload_init(loom_offload_init_t *init)
         return 1;
     }
 
+    if (loom_rt_config_check(init->config, loom_java_config_keys,
+                             "classpath, xmx, cpus, jvm_options, java_home",
+                             init->err, init->err_size)
+        != 0)
+    {
+        return 1;
+    }
+
     rt = calloc(1, sizeof(loom_java_rt_t));
     if (rt == NULL) {
         snprintf(init->err, init->err_size, "no memory");
@@ -639,7 +753,7 @@ loom_offload_init(loom_offload_init_t *init)
         return 1;
     }
 
-    classpath = loom_java_config_get(init->config, "classpath");
+    classpath = loom_rt_config_get(init->config, "classpath");
     rc = 1;
 
     cls = (*env)->FindClass(env, "loom/offload/Runtime");

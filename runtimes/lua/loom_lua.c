@@ -19,6 +19,8 @@
  *     preload=<m>[,<m>]  modules required by every state at start; a
  *                        failure fails the load with the module's error
  *
+ * Any other word fails the load (see ../common/loom_rt_config.h).
+ *
  * A call names its handler: the request bytes are "<module>.<function>",
  * a NUL byte, then the data (rt:call(name, data) builds them). The module
  * is required on first use and stays loaded; the function gets the data
@@ -39,6 +41,7 @@
 
 #define LOOM_OFFLOAD_NO_PROTOTYPES
 #include <loom_offload.h>
+#include "../common/loom_rt_config.h"
 
 #include <lua.h>
 #include <lauxlib.h>
@@ -86,7 +89,6 @@ int loom_offload_init(loom_offload_init_t *init);
 __attribute__((visibility("default")))
 void loom_offload_shutdown(void *instance);
 
-static char *loom_lua_config_get(const char *cfg, const char *key);
 static int loom_lua_new_state(loom_lua_thread_t *th, char *err,
     size_t err_size);
 static void *loom_lua_thread(void *arg);
@@ -98,6 +100,10 @@ static void loom_lua_log(loom_lua_rt_t *rt, int level, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 static void loom_lua_free(loom_lua_rt_t *rt);
 
+
+static const char *const  loom_lua_config_keys[] = {
+    "path", "cpath", "preload", NULL
+};
 
 /* the registry key of the thread that owns a state */
 static const char  loom_lua_thread_key = 0;
@@ -129,40 +135,7 @@ loom_lua_log(loom_lua_rt_t *rt, int level, const char *fmt, ...)
 }
 
 
-/* the value of key in "k=v k=v", as a new string, or NULL */
-static char *
-loom_lua_config_get(const char *cfg, const char *key)
-{
-    size_t       klen, vlen;
-    const char  *p, *v;
 
-    klen = strlen(key);
-    p = cfg;
-
-    for ( ;; ) {
-        while (*p == ' ' || *p == '\t' || *p == '\n') {
-            p++;
-        }
-
-        if (*p == '\0') {
-            return NULL;
-        }
-
-        v = p;
-        while (*v != '\0' && *v != ' ' && *v != '\t' && *v != '\n') {
-            v++;
-        }
-
-        if ((size_t) (v - p) > klen && strncmp(p, key, klen) == 0
-            && p[klen] == '=')
-        {
-            vlen = v - p - klen - 1;
-            return strndup(p + klen + 1, vlen);
-        }
-
-        p = v;
-    }
-}
 
 
 static loom_lua_thread_t *
@@ -430,7 +403,10 @@ loom_lua_serve(loom_lua_thread_t *th, const char *req, size_t len)
 
     name_len = nul - req;
     if (name_len > LOOM_LUA_MAX_NAME) {
-        name_len = LOOM_LUA_MAX_NAME;
+        static const char  msg[] = "handler name longer than 256 bytes";
+
+        host->answer(th->task, LOOM_OFFLOAD_ERROR, msg, sizeof(msg) - 1);
+        return;
     }
 
     lua_pushcfunction(L, loom_lua_traceback);
@@ -547,6 +523,14 @@ loom_offload_init(loom_offload_init_t *init)
         return 1;
     }
 
+    if (loom_rt_config_check(init->config, loom_lua_config_keys,
+                             "path, cpath, preload",
+                             init->err, init->err_size)
+        != 0)
+    {
+        return 1;
+    }
+
     rt = calloc(1, sizeof(loom_lua_rt_t));
     if (rt == NULL) {
         snprintf(init->err, init->err_size, "no memory");
@@ -557,9 +541,9 @@ loom_offload_init(loom_offload_init_t *init)
     rt->queue = init->queue;
     rt->worker = init->worker;
     rt->nthreads = init->threads ? init->threads : 1;
-    rt->path = loom_lua_config_get(init->config, "path");
-    rt->cpath = loom_lua_config_get(init->config, "cpath");
-    rt->preload = loom_lua_config_get(init->config, "preload");
+    rt->path = loom_rt_config_get(init->config, "path");
+    rt->cpath = loom_rt_config_get(init->config, "cpath");
+    rt->preload = loom_rt_config_get(init->config, "preload");
 
     rt->threads = calloc(rt->nthreads, sizeof(loom_lua_thread_t));
     if (rt->threads == NULL) {

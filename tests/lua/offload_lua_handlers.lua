@@ -2,6 +2,9 @@
 -- tests/test_offload_lua.py: each offload thread requires this module once
 -- into its own resident state.
 
+-- the runtime's global table (loom.cancelled, loom.log, loom.thread)
+-- luacheck: read globals loom
+
 local socket = require "socket"
 
 local tonumber = tonumber
@@ -84,6 +87,31 @@ function _M.cpu(data)
         x = (x + i * 7) % 1000003
     end
     return tostring(x)
+end
+
+
+-- an error value whose __tostring itself fails: the traceback handler
+-- errors too
+function _M.fail_tostring()
+    error(setmetatable({}, { __tostring = function() error("again") end }))
+end
+
+
+-- kilobytes this state's heap holds after a full collection
+function _M.heap_kb()
+    collectgarbage()
+    collectgarbage()
+    return string.format("%.1f", collectgarbage("count"))
+end
+
+
+-- makes garbage (a table of strings) and answers with part of it
+function _M.churn(data)
+    local t = {}
+    for i = 1, 20 do
+        t[i] = data .. i
+    end
+    return table.concat(t, ",", 1, 2)
 end
 
 

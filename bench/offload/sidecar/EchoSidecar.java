@@ -52,7 +52,9 @@ public final class EchoSidecar {
         Files.deleteIfExists(path);
         ServerSocketChannel server =
             ServerSocketChannel.open(StandardProtocolFamily.UNIX);
-        server.bind(UnixDomainSocketAddress.of(path));
+        // the default backlog (50) overflowed when wrk's 64 connections
+        // opened the workers' pools at once: failed requests (non-2xx)
+        server.bind(UnixDomainSocketAddress.of(path), 1024);
         for (;;) {
             SocketChannel c = server.accept();
             Thread t = new Thread(() -> serve(c));

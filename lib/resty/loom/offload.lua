@@ -226,7 +226,8 @@ function _M.load(name, config, opts)
         error("config must be a string", 2)
     end
 
-    if opts ~= nil and type(opts) ~= "table" then
+    -- nil or false: no options (`t and { timeout = t }` is common)
+    if opts and type(opts) ~= "table" then
         error("opts must be a table", 2)
     end
 
@@ -299,7 +300,13 @@ end
 
 
 function _M.call(self, payload, opts, named_opts)
-    if type(opts) == "string" then
+    local named = type(opts) == "string"
+    if not named and BUFFER_MT and getmetatable(opts) == BUFFER_MT then
+        named = true
+        opts = opts:tostring()
+    end
+
+    if named then
         -- rt:call(name, data[, opts]) for runtimes that dispatch by name
         -- (Lua, Java): the request is the name, a NUL byte, the data
         if type(payload) ~= "string" or payload == ""
@@ -310,6 +317,11 @@ function _M.call(self, payload, opts, named_opts)
 
         payload = payload .. "\0" .. opts
         opts = named_opts
+    end
+
+    -- nil or false: no options (`t and { timeout = t }` is common)
+    if opts and type(opts) ~= "table" then
+        error("opts must be a table", 2)
     end
 
     local phase = ngx_get_phase()

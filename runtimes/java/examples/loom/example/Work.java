@@ -7,6 +7,7 @@ import loom.offload.StringHandler;
 /**
  * "sha256 <rounds> <text>": hashes text rounds times (CPU work);
  * "sleep <ms>": sleeps, stopping early when the call is cancelled;
+ * "hang <ms>": sleeps and never looks at cancellation (a stuck handler);
  * "fail <message>": throws; "null": returns null (an empty answer).
  */
 public final class Work extends StringHandler {
@@ -36,6 +37,9 @@ public final class Work extends StringHandler {
             }
             return "slept";
         }
+        case "hang":
+            Thread.sleep(Long.parseLong(p[1]));
+            return "hung";
         case "fail":
             throw new IllegalStateException(in.substring(4).trim());
         case "null":

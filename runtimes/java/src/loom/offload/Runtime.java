@@ -65,23 +65,35 @@ final class Runtime {
     }
 
     private void run(long task, String[] names) {
-        byte[] in = Native.request(rt, task, names);
-        String name = names[0];
+        names[0] = null;
         byte[] out;
         try {
-            out = handler(name).call(in);
+            // inside the try: copying a payload larger than the heap
+            // throws (OutOfMemoryError), and the task must still be
+            // answered and this thread keep serving
+            byte[] in = Native.request(rt, task, names);
+            out = handler(names[0]).call(in);
         } catch (Throwable e) {
-            String summary = e.getClass().getName()
-                + (e.getMessage() == null ? "" : ": " + e.getMessage());
+            fail(task, names[0], e);
+            return;
+        }
+        Native.answer(rt, task, Native.OK, out);
+    }
+
+    private void fail(long task, String name, Throwable e) {
+        byte[] summary = null;
+        try {
+            summary = (e.getClass().getName()
+                       + (e.getMessage() == null ? "" : ": " + e.getMessage()))
+                .getBytes(StandardCharsets.UTF_8);
             StringWriter trace = new StringWriter();
             e.printStackTrace(new PrintWriter(trace));
             Native.log(rt, Native.LOG_ERR, "java handler " + name + ": "
                        + trace.toString().stripTrailing());
-            Native.answer(rt, task, Native.ERROR,
-                          summary.getBytes(StandardCharsets.UTF_8));
-            return;
+        } catch (Throwable again) {
+            // no memory left even for the message: the answer still goes
         }
-        Native.answer(rt, task, Native.OK, out);
+        Native.answer(rt, task, Native.ERROR, summary);
     }
 
     private Handler handler(String name) throws Exception {
