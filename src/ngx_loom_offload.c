@@ -35,38 +35,13 @@
  */
 
 
-#ifndef _GNU_SOURCE
-#define _GNU_SOURCE
-#endif
-
-#include "ngx_loom.h"
-#include <ngx_event.h>
-#include <ngx_http.h>
+#include "ngx_loom_offload.h"
 #include <dlfcn.h>
 #include <malloc.h>
-#include <pthread.h>
 #include <sched.h>
 #include <signal.h>
 #include <sys/eventfd.h>
-#include <sys/wait.h>
-#include <loom_offload.h>
 
-
-#define LOOM_OFFLOAD_STARTING        0
-#define LOOM_OFFLOAD_READY           1
-#define LOOM_OFFLOAD_FAILED          2
-#define LOOM_OFFLOAD_CLOSING         3
-
-/* where a task is, guarded by the queue mutex */
-#define LOOM_WHERE_NONE              0
-#define LOOM_WHERE_PENDING           1
-#define LOOM_WHERE_TAKEN             2
-
-/* results seen by Lua (ngx_loom_offload_ffi_result) */
-#define LOOM_RESULT_OK               0
-#define LOOM_RESULT_ERROR            1
-#define LOOM_RESULT_CLOSED           2
-#define LOOM_RESULT_NOMEM            3
 
 /* the event loop polling for an answer (ngx_loom_offload_ffi_poll) */
 #define LOOM_FAST_NONE               0
@@ -76,13 +51,7 @@
 /* answer status used internally when the response copy failed */
 #define LOOM_STATUS_NOMEM            (-1)
 
-/* latency histogram: 8 sub-buckets per power of two, in microseconds */
-#define LOOM_HIST_SUB_BITS           3
-#define LOOM_HIST_SUB                (1 << LOOM_HIST_SUB_BITS)
-#define LOOM_HIST_BUCKETS            (LOOM_HIST_SUB * 40)
-
 #define LOOM_MIN_INLINE_RSP          256
-#define LOOM_ERR_LEN                 512
 
 /*
  * roughly what waking a sleeping runtime thread costs (a futex call on
@@ -127,138 +96,6 @@
 #define LOOM_POLL_BACKOFF_MAX        256
 
 
-typedef int (*ngx_loom_sema_new_pt)(void **psem, int n, char **errmsg);
-typedef int (*ngx_loom_sema_post_pt)(void *sem, int n);
-typedef void (*ngx_loom_sema_gc_pt)(void *sem);
-
-
-typedef struct {
-    ngx_queue_t                  tasks;
-} ngx_loom_offload_rctx_t;
-
-
-struct loom_offload_task_s {
-    ngx_queue_t                  pending;      /* queue mutex */
-    loom_offload_task_t         *next;         /* completion / garbage */
-    loom_offload_task_t         *held_next;    /* its held stripe's lock */
-    ngx_queue_t                  overdue;      /* main thread */
-    ngx_msec_t                   overdue_at;   /* main thread */
-    ngx_queue_t                  live;         /* main thread */
-    ngx_queue_t                  rlink;        /* main thread */
-    loom_offload_queue_t        *queue;
-    void                        *sem;
-    uint64_t                     start_ns;
-
-    /* written by the taking thread under the queue mutex */
-    uint64_t                     take_ns;
-
-    /* written by the answering thread before it publishes the task */
-    u_char                      *rsp;
-    size_t                       rsp_len;
-    uint64_t                     answer_ns;
-    int                          status;
-    int                          rsp_heap;
-
-    int                          cancelled;    /* atomic */
-    int                          fast;         /* atomic, LOOM_FAST_* */
-    int                          where;        /* queue mutex */
-    int                          result;       /* main thread */
-
-    /* main thread only */
-    unsigned                     lua:1;
-    unsigned                     rt:1;
-    unsigned                     resolved:1;
-    unsigned                     in_request:1;
-    unsigned                     control:1;
-    unsigned                     garbage:1;
-    unsigned                     kick:1;       /* needs a sleeper woken */
-    unsigned                     woke:1;       /* woke a sleeper at once */
-    unsigned                     poll:1;       /* the loop may poll */
-    unsigned                     in_overdue:1;
-    unsigned                     reclaimed:1;  /* held stripe's lock */
-
-    size_t                       req_len;
-    size_t                       cap;
-    u_char                       data[1];
-};
-
-
-struct loom_offload_queue_s {
-    pthread_mutex_t              mtx;
-    pthread_cond_t               cond;
-    ngx_queue_t                  pending;
-    ngx_uint_t                   npending;     /* atomic reads */
-    ngx_uint_t                   taken;        /* atomic reads */
-    ngx_uint_t                   spinners;
-    ngx_uint_t                   sleepers;
-    ngx_uint_t                   waking;       /* signalled, not yet up */
-    ngx_uint_t                   busy;         /* took a task, not back */
-    uint64_t                     svc_ns;       /* take -> back, average */
-    uint64_t                     progress_ns;  /* last take or return */
-    ngx_uint_t                   closed;       /* atomic reads */
-    ngx_uint_t                   bound;
-    uint64_t                     spin_ns;
-    uint64_t                     spin_cur_ns;  /* adaptive, under mtx */
-
-    /* main thread */
-    uint64_t                     poll_ns;
-    uint64_t                     ewma_ns;      /* take -> answer */
-    uint64_t                     pick_ns;      /* submit -> take, awake */
-    uint64_t                     wake_ns;      /* submit -> take, woken */
-    ngx_uint_t                   poll_skip;    /* calls not to poll for */
-    ngx_uint_t                   poll_backoff;
-    uint64_t                     polled;
-    uint64_t                     polled_hits;
-    uint64_t                     peak_queued;
-    ngx_queue_t                  link;
-    ngx_queue_t                  live;
-    int                          state;
-    int                          started;      /* init() returned 0 */
-    char                        *path;
-    char                        *config;
-    size_t                       config_len;
-    unsigned                     threads;
-    ngx_msec_t                   grace;
-    ngx_msec_t                   reclaim;
-    ngx_queue_t                  overdue;      /* given up, still held */
-    ngx_event_t                  reclaim_ev;
-    int                          global;
-    ngx_event_t                  grace_ev;
-    ngx_event_t                  kick_ev;      /* posted: wake sleepers */
-    ngx_event_t                  wake_ev;      /* timer: the same, later */
-
-    /* written by the start-up thread before it publishes "control" */
-    void                        *dl;
-    void                        *instance;
-    loom_offload_shutdown_pt     shutdown;
-    int                          start_rc;
-    char                         err[LOOM_ERR_LEN];
-
-    /* shutdown helper; guarded by ngx_loom_offload_exit_mtx */
-    int                          shut_done;
-
-    /* statistics, main thread */
-    uint64_t                     submitted;
-    uint64_t                     answered;
-    uint64_t                     completed;
-    uint64_t                     errors;
-    uint64_t                     timeouts;
-    uint64_t                     rejected;
-    uint64_t                     closed_calls;
-    uint64_t                     aborted;
-    uint64_t                     late;
-    uint64_t                     reclaimed;
-    uint64_t                     reclaimed_held;
-    uint64_t                     misused;
-    uint64_t                     lat_n;
-    uint64_t                     lat_sum;
-    uint64_t                     lat_max;
-    uint64_t                     hist[LOOM_HIST_BUCKETS];
-
-    loom_offload_task_t          control;
-};
-
-
 typedef struct {
     double                       state;
     double                       threads;
@@ -287,35 +124,6 @@ typedef struct {
 } ngx_loom_offload_stats_t;
 
 
-typedef struct {
-    pthread_mutex_t              lock;         /* fd against exit */
-    loom_offload_task_t         *done;         /* atomic, newest first */
-    int                          fd;
-
-    /* main thread */
-    ngx_uint_t                   inited;
-    ngx_uint_t                   exiting;
-    ngx_uint_t                   edge;         /* edge-triggered eventfd */
-    ngx_uint_t                   wakeups;
-    ngx_connection_t            *conn;
-    ngx_queue_t                  queues;
-    loom_offload_task_t         *garbage;
-    ngx_event_t                  gc_event;
-    ngx_uint_t                   tasks;        /* alive */
-    ngx_uint_t                   tasks_peak;   /* since the last trim */
-    ngx_event_t                  trim_ev;
-    ngx_loom_sema_new_pt         sema_new;
-    ngx_loom_sema_post_pt        sema_post;
-    ngx_loom_sema_gc_pt          sema_gc;
-} ngx_loom_offload_worker_t;
-
-
-typedef struct {
-    pthread_mutex_t              mtx;
-    loom_offload_task_t         *tasks;
-} ngx_loom_offload_held_t;
-
-
 static void ngx_loom_offload_exit_process(ngx_cycle_t *cycle);
 static ngx_int_t ngx_loom_offload_worker_init(u_char *err, size_t *errlen);
 static void ngx_loom_offload_read_handler(ngx_event_t *rev);
@@ -340,9 +148,6 @@ static void ngx_loom_offload_unpend(loom_offload_task_t *t);
 static void ngx_loom_offload_request_cleanup(void *data);
 static void ngx_loom_offload_discard(loom_offload_task_t *t);
 static void ngx_loom_offload_held_init(void);
-static void ngx_loom_offload_sigchld_wrap(void);
-static void ngx_loom_offload_sigchld(int signo, siginfo_t *info, void *uc);
-static ngx_uint_t ngx_loom_offload_main_zombie(void);
 static ngx_loom_offload_held_t *ngx_loom_offload_held_stripe(
     loom_offload_task_t *t);
 static loom_offload_task_t **ngx_loom_offload_held_find(
@@ -353,7 +158,6 @@ static void ngx_loom_offload_publish(loom_offload_task_t *t);
 static void *ngx_loom_offload_start_thread(void *data);
 static void *ngx_loom_offload_shutdown_thread(void *data);
 static int ngx_loom_offload_spawn(void *(*fn)(void *), void *data);
-static uint64_t ngx_loom_offload_now_ns(void);
 static ngx_uint_t ngx_loom_offload_hist_index(uint64_t us);
 static double ngx_loom_offload_hist_value(ngx_uint_t i);
 
@@ -426,7 +230,7 @@ static const loom_offload_host_t  ngx_loom_offload_host = {
 };
 
 
-static ngx_loom_offload_worker_t  ngx_loom_offload_w = {
+ngx_loom_offload_worker_t  ngx_loom_offload_w = {
     PTHREAD_MUTEX_INITIALIZER, NULL, -1,
     0, 0, 0, 0, NULL, { NULL, NULL }, NULL,
     { 0 }, 0, 0, { 0 }, NULL, NULL, NULL
@@ -435,23 +239,8 @@ static ngx_loom_offload_worker_t  ngx_loom_offload_w = {
 static ngx_loom_offload_held_t  ngx_loom_offload_held[LOOM_HELD_STRIPES];
 static pthread_once_t  ngx_loom_offload_held_once = PTHREAD_ONCE_INIT;
 
-static struct sigaction  ngx_loom_offload_sigchld_prev;
-static char              ngx_loom_offload_children[64];
-
 static pthread_mutex_t  ngx_loom_offload_exit_mtx = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t   ngx_loom_offload_exit_cond = PTHREAD_COND_INITIALIZER;
-
-
-#if (defined __x86_64__ || defined __i386__)
-#define ngx_loom_cpu_relax()  __builtin_ia32_pause()
-#elif (defined __aarch64__)
-#define ngx_loom_cpu_relax()  __asm__ __volatile__ ("yield" ::: "memory")
-#else
-#define ngx_loom_cpu_relax()
-#endif
-
-#define ngx_loom_load(p)      __atomic_load_n(p, __ATOMIC_ACQUIRE)
-#define ngx_loom_store(p, v)  __atomic_store_n(p, v, __ATOMIC_RELEASE)
 
 
 /*
@@ -462,17 +251,6 @@ static pthread_cond_t   ngx_loom_offload_exit_cond = PTHREAD_COND_INITIALIZER;
  */
 static __thread loom_offload_queue_t  *ngx_loom_offload_tls_q;
 static __thread uint64_t               ngx_loom_offload_tls_ns;
-
-
-static uint64_t
-ngx_loom_offload_now_ns(void)
-{
-    struct timespec  ts;
-
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-
-    return (uint64_t) ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
 
 
 /* {{{ the host table */
@@ -1015,133 +793,6 @@ ngx_loom_offload_worker_init(u_char *err, size_t *errlen)
 
     return NGX_OK;
 }
-
-
-/*
- * {{{ SIGCHLD
- *
- * nginx's SIGCHLD handler reaps every child of the worker (waitpid(-1)),
- * and so took the exit status of commands a runtime thread had started
- * and was waiting for: Python's subprocess then reported success (its
- * waitpid() failed with ECHILD), Go's os/exec "no child processes". The
- * kernel keeps a child under the thread that created it
- * (/proc/<pid>/task/<tid>/children): in a worker, children of the main
- * thread (os.execute, io.popen, ngx.pipe) are nginx's business, the
- * others belong to the runtime thread that made them and its waitpid().
- * So nginx's handler runs only when a child of the main thread has
- * exited (it then reaps every zombie, as before), and is left out for
- * children of runtime threads. Only async-signal-safe calls are made.
- */
-
-static void
-ngx_loom_offload_sigchld_wrap(void)
-{
-    struct sigaction  sa;
-
-    if (ngx_process != NGX_PROCESS_WORKER
-        || sigaction(SIGCHLD, NULL, &ngx_loom_offload_sigchld_prev) != 0
-        || (!(ngx_loom_offload_sigchld_prev.sa_flags & SA_SIGINFO)
-            && (ngx_loom_offload_sigchld_prev.sa_handler == SIG_DFL
-                || ngx_loom_offload_sigchld_prev.sa_handler == SIG_IGN)))
-    {
-        return;
-    }
-
-    (void) ngx_sprintf((u_char *) ngx_loom_offload_children,
-                       "/proc/%P/task/%P/children%Z", ngx_pid, ngx_pid);
-
-    sa = ngx_loom_offload_sigchld_prev;
-    sa.sa_sigaction = ngx_loom_offload_sigchld;
-    sa.sa_flags |= SA_SIGINFO;
-
-    if (sigaction(SIGCHLD, &sa, NULL) != 0) {
-        ngx_log_error(NGX_LOG_ALERT, ngx_cycle->log, ngx_errno,
-                      "[loom.offload] sigaction(SIGCHLD) failed");
-    }
-}
-
-
-static void
-ngx_loom_offload_sigchld(int signo, siginfo_t *info, void *uc)
-{
-    int                      err;
-    const struct sigaction  *prev;
-
-    err = errno;
-    prev = &ngx_loom_offload_sigchld_prev;
-
-    if (ngx_loom_offload_main_zombie()) {
-        if (prev->sa_flags & SA_SIGINFO) {
-            prev->sa_sigaction(signo, info, uc);
-
-        } else {
-            prev->sa_handler(signo);
-        }
-    }
-
-    errno = err;
-}
-
-
-/* a child of the worker's main thread has exited (or that is unknown) */
-static ngx_uint_t
-ngx_loom_offload_main_zombie(void)
-{
-    int        fd;
-    char       buf[256], *p;
-    pid_t      pid;
-    ssize_t    n;
-    siginfo_t  si;
-
-    fd = open(ngx_loom_offload_children, O_RDONLY | O_CLOEXEC);
-    if (fd == -1) {
-        return 1;
-    }
-
-    pid = 0;
-
-    for ( ;; ) {
-        n = read(fd, buf, sizeof(buf));
-
-        if (n < 0 && errno == EINTR) {
-            continue;
-        }
-
-        /* a space follows every pid, the last one too */
-        for (p = buf; n > 0 && p < buf + n; p++) {
-            if (*p >= '0' && *p <= '9') {
-                pid = pid * 10 + (*p - '0');
-                continue;
-            }
-
-            if (pid == 0) {
-                continue;
-            }
-
-            si.si_pid = 0;
-
-            if (waitid(P_PID, (id_t) pid, &si,
-                       WEXITED | WNOHANG | WNOWAIT) == 0
-                && si.si_pid == pid)
-            {
-                close(fd);
-                return 1;
-            }
-
-            pid = 0;
-        }
-
-        if (n <= 0) {
-            break;
-        }
-    }
-
-    close(fd);
-
-    return n < 0;
-}
-
-/* }}} */
 
 
 static void
