@@ -96,34 +96,6 @@
 #define LOOM_POLL_BACKOFF_MAX        256
 
 
-typedef struct {
-    double                       state;
-    double                       threads;
-    double                       queued;
-    double                       running;
-    double                       submitted;
-    double                       completed;
-    double                       errors;
-    double                       timeouts;
-    double                       rejected;
-    double                       closed;
-    double                       aborted;
-    double                       late;
-    double                       lat_n;
-    double                       lat_mean;
-    double                       lat_max;
-    double                       p50;
-    double                       p90;
-    double                       p99;
-    double                       p999;
-    double                       polled;
-    double                       polled_hits;
-    double                       peak_queued;
-    double                       reclaimed;
-    double                       misused;
-} ngx_loom_offload_stats_t;
-
-
 static void ngx_loom_offload_exit_process(ngx_cycle_t *cycle);
 static ngx_int_t ngx_loom_offload_worker_init(u_char *err, size_t *errlen);
 static void ngx_loom_offload_read_handler(ngx_event_t *rev);
@@ -158,8 +130,6 @@ static void ngx_loom_offload_publish(loom_offload_task_t *t);
 static void *ngx_loom_offload_start_thread(void *data);
 static void *ngx_loom_offload_shutdown_thread(void *data);
 static int ngx_loom_offload_spawn(void *(*fn)(void *), void *data);
-static ngx_uint_t ngx_loom_offload_hist_index(uint64_t us);
-static double ngx_loom_offload_hist_value(ngx_uint_t i);
 
 /* the host table handed to runtimes */
 static int ngx_loom_offload_wait(loom_offload_queue_t *q, int timeout_ms,
@@ -186,8 +156,6 @@ int ngx_loom_offload_ffi_result(loom_offload_task_t *t, u_char **data,
 void ngx_loom_offload_ffi_release(loom_offload_task_t *t);
 int ngx_loom_offload_ffi_cancel(loom_offload_task_t *t);
 int ngx_loom_offload_ffi_state(loom_offload_queue_t *q, char **err);
-void ngx_loom_offload_ffi_stats(loom_offload_queue_t *q,
-    ngx_loom_offload_stats_t *st);
 int ngx_loom_offload_ffi_close(loom_offload_queue_t *q);
 
 
@@ -970,15 +938,7 @@ ngx_loom_offload_resolve(loom_offload_task_t *t, int result)
 
     if (result != LOOM_RESULT_CLOSED) {
         us = (ngx_loom_offload_now_ns() - t->start_ns) / 1000;
-
-        q->lat_n++;
-        q->lat_sum += us;
-
-        if (us > q->lat_max) {
-            q->lat_max = us;
-        }
-
-        q->hist[ngx_loom_offload_hist_index(us)]++;
+        ngx_loom_offload_latency(q, us);
     }
 
     if (t->sem) {
@@ -1669,49 +1629,6 @@ ngx_loom_offload_exit_process(ngx_cycle_t *cycle)
 /* }}} */
 
 
-/* {{{ latency histogram */
-
-static ngx_uint_t
-ngx_loom_offload_hist_index(uint64_t us)
-{
-    ngx_uint_t  e, i;
-
-    if (us < LOOM_HIST_SUB) {
-        return (ngx_uint_t) us;
-    }
-
-    e = 63 - __builtin_clzll(us);           /* e >= LOOM_HIST_SUB_BITS */
-
-    i = LOOM_HIST_SUB * (e - LOOM_HIST_SUB_BITS + 1)
-        + ((us >> (e - LOOM_HIST_SUB_BITS)) & (LOOM_HIST_SUB - 1));
-
-    return i < LOOM_HIST_BUCKETS ? i : LOOM_HIST_BUCKETS - 1;
-}
-
-
-/* the middle of bucket i, in microseconds */
-static double
-ngx_loom_offload_hist_value(ngx_uint_t i)
-{
-    ngx_uint_t  e, sub;
-    double      lo, width;
-
-    if (i < LOOM_HIST_SUB) {
-        return (double) i;
-    }
-
-    e = i / LOOM_HIST_SUB + LOOM_HIST_SUB_BITS - 1;
-    sub = i % LOOM_HIST_SUB;
-
-    width = (double) ((uint64_t) 1 << (e - LOOM_HIST_SUB_BITS));
-    lo = (double) ((uint64_t) 1 << e) + sub * width;
-
-    return lo + width / 2;
-}
-
-/* }}} */
-
-
 /* {{{ FFI entry points */
 
 int
@@ -2203,73 +2120,6 @@ ngx_loom_offload_ffi_close(loom_offload_queue_t *q)
     ngx_loom_offload_close(q);
 
     return LOOM_FFI_OK;
-}
-
-
-void
-ngx_loom_offload_ffi_stats(loom_offload_queue_t *q,
-    ngx_loom_offload_stats_t *st)
-{
-    double      *pct[4], want[4];
-    uint64_t     seen;
-    ngx_uint_t   i, k;
-
-    st->state = q->state;
-    st->threads = q->threads;
-    st->queued = (double) ngx_loom_load(&q->npending);
-    st->running = (double) (ngx_loom_load(&q->taken) - q->answered
-                            - q->reclaimed_held);
-    st->submitted = (double) q->submitted;
-    st->completed = (double) q->completed;
-    st->errors = (double) q->errors;
-    st->timeouts = (double) q->timeouts;
-    st->rejected = (double) q->rejected;
-    st->closed = (double) q->closed_calls;
-    st->aborted = (double) q->aborted;
-    st->late = (double) q->late;
-    st->lat_n = (double) q->lat_n;
-    st->lat_mean = q->lat_n ? (double) q->lat_sum / q->lat_n : 0;
-    st->lat_max = (double) q->lat_max;
-    st->polled = (double) q->polled;
-    st->polled_hits = (double) q->polled_hits;
-    st->peak_queued = (double) q->peak_queued;
-    st->reclaimed = (double) q->reclaimed;
-    st->misused = (double) __atomic_load_n(&q->misused, __ATOMIC_RELAXED);
-
-    pct[0] = &st->p50;
-    pct[1] = &st->p90;
-    pct[2] = &st->p99;
-    pct[3] = &st->p999;
-
-    want[0] = 0.50;
-    want[1] = 0.90;
-    want[2] = 0.99;
-    want[3] = 0.999;
-
-    for (k = 0; k < 4; k++) {
-        *pct[k] = 0;
-    }
-
-    if (q->lat_n == 0) {
-        return;
-    }
-
-    seen = 0;
-    k = 0;
-
-    for (i = 0; i < LOOM_HIST_BUCKETS && k < 4; i++) {
-        seen += q->hist[i];
-
-        while (k < 4 && (double) seen >= want[k] * (double) q->lat_n) {
-            *pct[k] = ngx_loom_offload_hist_value(i);
-
-            if (*pct[k] > st->lat_max) {
-                *pct[k] = st->lat_max;
-            }
-
-            k++;
-        }
-    }
 }
 
 /* }}} */

@@ -237,6 +237,9 @@ extern ngx_module_t               ngx_loom_offload_module;
 extern ngx_loom_offload_worker_t  ngx_loom_offload_w;
 
 
+/* ngx_loom_offload_stats.c */
+void ngx_loom_offload_latency(loom_offload_queue_t *q, uint64_t us);
+
 /* ngx_loom_offload_sigchld.c */
 void ngx_loom_offload_sigchld_wrap(void);
 
