@@ -37,7 +37,6 @@
 
 #include "ngx_loom_offload.h"
 #include <dlfcn.h>
-#include <malloc.h>
 #include <sched.h>
 #include <signal.h>
 #include <sys/eventfd.h>
@@ -74,16 +73,6 @@
 #define LOOM_SPIN_PAYS_NS            10000
 
 /*
- * after a burst of at least this many tasks alive at once, the worker
- * gives the freed heap back to the system LOOM_TRIM_DELAY ms after 7/8 of
- * them are gone (later, so that the requests that made the calls are
- * freed too): malloc keeps it otherwise, 50,000 calls in flight left
- * ~50 MB
- */
-#define LOOM_TRIM_TASKS              4096
-#define LOOM_TRIM_DELAY              1000
-
-/*
  * tasks runtime threads hold (taken, not answered), by address: answer()
  * checks a task against them before it touches it, so that a second
  * answer, or an answer for something never taken, is refused and logged
@@ -99,8 +88,6 @@
 static void ngx_loom_offload_exit_process(ngx_cycle_t *cycle);
 static ngx_int_t ngx_loom_offload_worker_init(u_char *err, size_t *errlen);
 static void ngx_loom_offload_read_handler(ngx_event_t *rev);
-static void ngx_loom_offload_gc_handler(ngx_event_t *ev);
-static void ngx_loom_offload_trim_handler(ngx_event_t *ev);
 static void ngx_loom_offload_grace_handler(ngx_event_t *ev);
 static void ngx_loom_offload_kick_handler(ngx_event_t *ev);
 static ngx_uint_t ngx_loom_offload_may_poll(loom_offload_queue_t *q,
@@ -115,17 +102,7 @@ static void ngx_loom_offload_close(loom_offload_queue_t *q);
 static void ngx_loom_offload_done(loom_offload_task_t *t);
 static void ngx_loom_offload_started(loom_offload_queue_t *q);
 static void ngx_loom_offload_resolve(loom_offload_task_t *t, int result);
-static void ngx_loom_offload_task_free(loom_offload_task_t *t);
-static void ngx_loom_offload_unpend(loom_offload_task_t *t);
-static void ngx_loom_offload_request_cleanup(void *data);
-static void ngx_loom_offload_discard(loom_offload_task_t *t);
 static void ngx_loom_offload_held_init(void);
-static ngx_loom_offload_held_t *ngx_loom_offload_held_stripe(
-    loom_offload_task_t *t);
-static loom_offload_task_t **ngx_loom_offload_held_find(
-    ngx_loom_offload_held_t *h, loom_offload_task_t *t);
-static void ngx_loom_offload_overdue(loom_offload_task_t *t);
-static void ngx_loom_offload_reclaim_handler(ngx_event_t *ev);
 static void ngx_loom_offload_publish(loom_offload_task_t *t);
 static void *ngx_loom_offload_start_thread(void *data);
 static void *ngx_loom_offload_shutdown_thread(void *data);
@@ -153,8 +130,6 @@ int ngx_loom_offload_ffi_submit(ngx_http_request_t *r,
     loom_offload_task_t **out, void **sem);
 int ngx_loom_offload_ffi_result(loom_offload_task_t *t, u_char **data,
     size_t *len);
-void ngx_loom_offload_ffi_release(loom_offload_task_t *t);
-int ngx_loom_offload_ffi_cancel(loom_offload_task_t *t);
 int ngx_loom_offload_ffi_state(loom_offload_queue_t *q, char **err);
 int ngx_loom_offload_ffi_close(loom_offload_queue_t *q);
 
@@ -819,25 +794,6 @@ ngx_loom_offload_read_handler(ngx_event_t *rev)
 }
 
 
-static void
-ngx_loom_offload_gc_handler(ngx_event_t *ev)
-{
-    loom_offload_task_t        *t, *next;
-    ngx_loom_offload_worker_t  *w;
-
-    w = ev->data;
-
-    t = w->garbage;
-    w->garbage = NULL;
-
-    while (t) {
-        next = t->next;
-        ngx_loom_offload_task_free(t);
-        t = next;
-    }
-}
-
-
 /* an answer reached the main thread */
 static void
 ngx_loom_offload_done(loom_offload_task_t *t)
@@ -947,57 +903,8 @@ ngx_loom_offload_resolve(loom_offload_task_t *t, int result)
 }
 
 
-static void
-ngx_loom_offload_task_free(loom_offload_task_t *t)
-{
-    ngx_loom_offload_worker_t  *w;
-
-    w = &ngx_loom_offload_w;
-
-    ngx_queue_remove(&t->live);
-
-    if (t->in_overdue) {
-        ngx_queue_remove(&t->overdue);
-    }
-
-    if (t->in_request) {
-        ngx_queue_remove(&t->rlink);
-    }
-
-    if (t->sem) {
-        ngx_loom_offload_w.sema_gc(t->sem);
-    }
-
-    if (t->rsp_heap) {
-        free(t->rsp);
-    }
-
-    free(t);
-
-    w->tasks--;
-
-    if (w->tasks_peak >= LOOM_TRIM_TASKS && w->tasks <= w->tasks_peak / 8
-        && !w->trim_ev.timer_set && !w->exiting)
-    {
-        ngx_add_timer(&w->trim_ev, LOOM_TRIM_DELAY);
-    }
-}
-
-
-static void
-ngx_loom_offload_trim_handler(ngx_event_t *ev)
-{
-    ngx_loom_offload_worker_t  *w;
-
-    w = ev->data;
-
-    (void) malloc_trim(0);
-    w->tasks_peak = w->tasks;
-}
-
-
 /* takes a task off its queue if no runtime thread has taken it yet */
-static void
+void
 ngx_loom_offload_unpend(loom_offload_task_t *t)
 {
     loom_offload_queue_t  *q;
@@ -1022,68 +929,6 @@ ngx_loom_offload_unpend(loom_offload_task_t *t)
 
 
 static void
-ngx_loom_offload_request_cleanup(void *data)
-{
-    ngx_loom_offload_rctx_t  *rctx = data;
-
-    ngx_queue_t          *x;
-    loom_offload_task_t  *t;
-
-    while (!ngx_queue_empty(&rctx->tasks)) {
-        x = ngx_queue_head(&rctx->tasks);
-        ngx_queue_remove(x);
-
-        t = ngx_queue_data(x, loom_offload_task_t, rlink);
-        t->in_request = 0;
-        t->lua = 0;
-
-        if (!t->resolved) {
-            t->queue->aborted++;
-        }
-
-        ngx_loom_store(&t->cancelled, 1);
-        ngx_loom_offload_unpend(t);
-
-        if (!t->rt) {
-            /*
-             * the coroutine may still sit in the semaphore's wait queue
-             * until lua-nginx-module's own cleanup runs
-             */
-            ngx_loom_offload_discard(t);
-
-        } else {
-            ngx_loom_offload_overdue(t);
-        }
-    }
-}
-
-
-/*
- * Frees a task nobody holds any more at the end of this event loop
- * iteration, not now: a call returns to Lua from inside its semaphore's
- * event handler, which reads the semaphore again after the coroutine
- * yields, and lua-nginx-module frees a whole block of semaphores (4,095)
- * when its last one comes back. Returning the semaphore there crashed
- * workers with more than two blocks of calls in flight
- */
-static void
-ngx_loom_offload_discard(loom_offload_task_t *t)
-{
-    ngx_loom_offload_worker_t  *w;
-
-    w = &ngx_loom_offload_w;
-
-    t->garbage = 1;
-    t->next = w->garbage;
-    w->garbage = t;
-
-    if (!w->gc_event.posted) {
-        ngx_post_event(&w->gc_event, &ngx_posted_events);
-    }
-}
-
-
-static void
 ngx_loom_offload_held_init(void)
 {
     ngx_uint_t  i;
@@ -1094,7 +939,7 @@ ngx_loom_offload_held_init(void)
 }
 
 
-static ngx_loom_offload_held_t *
+ngx_loom_offload_held_t *
 ngx_loom_offload_held_stripe(loom_offload_task_t *t)
 {
     uintptr_t  a;
@@ -1106,7 +951,7 @@ ngx_loom_offload_held_stripe(loom_offload_task_t *t)
 
 
 /* the link pointing at t in its stripe, or NULL; under the stripe lock */
-static loom_offload_task_t **
+loom_offload_task_t **
 ngx_loom_offload_held_find(ngx_loom_offload_held_t *h,
     loom_offload_task_t *t)
 {
@@ -1119,81 +964,6 @@ ngx_loom_offload_held_find(ngx_loom_offload_held_t *h,
     }
 
     return NULL;
-}
-
-
-/*
- * Lua gave up on a task a runtime thread holds: unless answered within
- * the queue's reclaim time, it is reclaimed (no longer "running", logged)
- */
-static void
-ngx_loom_offload_overdue(loom_offload_task_t *t)
-{
-    loom_offload_queue_t  *q;
-
-    q = t->queue;
-
-    if (t->in_overdue || q->reclaim == 0) {
-        return;
-    }
-
-    t->in_overdue = 1;
-    t->overdue_at = ngx_current_msec + q->reclaim;
-
-    /* one reclaim time per queue: the list stays in deadline order */
-    ngx_queue_insert_tail(&q->overdue, &t->overdue);
-
-    if (!q->reclaim_ev.timer_set) {
-        ngx_add_timer(&q->reclaim_ev, q->reclaim);
-    }
-}
-
-
-static void
-ngx_loom_offload_reclaim_handler(ngx_event_t *ev)
-{
-    ngx_queue_t               *x;
-    loom_offload_task_t       *t;
-    loom_offload_queue_t      *q;
-    ngx_loom_offload_held_t   *h;
-
-    q = ev->data;
-
-    while (!ngx_queue_empty(&q->overdue)) {
-        x = ngx_queue_head(&q->overdue);
-        t = ngx_queue_data(x, loom_offload_task_t, overdue);
-
-        if ((ngx_msec_int_t) (t->overdue_at - ngx_current_msec) > 0) {
-            ngx_add_timer(ev, t->overdue_at - ngx_current_msec);
-            return;
-        }
-
-        ngx_queue_remove(x);
-        t->in_overdue = 0;
-
-        h = ngx_loom_offload_held_stripe(t);
-
-        pthread_mutex_lock(&h->mtx);
-
-        /* not held any more: answered, on its way to the event loop */
-        if (ngx_loom_offload_held_find(h, t) != NULL) {
-            t->reclaimed = 1;
-        }
-
-        pthread_mutex_unlock(&h->mtx);
-
-        if (t->reclaimed) {
-            q->reclaimed++;
-            q->reclaimed_held++;
-
-            ngx_log_error(NGX_LOG_ERR, ev->log, 0,
-                          "[loom.offload] %s: a task was not answered "
-                          "within %M ms after its call gave up: no longer "
-                          "counted as running (a runtime thread is stuck, "
-                          "or the runtime lost the task)",
-                          q->path, q->reclaim);
-        }
-    }
 }
 
 
@@ -2042,66 +1812,6 @@ ngx_loom_offload_ffi_result(loom_offload_task_t *t, u_char **data,
     }
 
     return t->result;
-}
-
-
-/* Lua is done with the task (it has read the result) */
-void
-ngx_loom_offload_ffi_release(loom_offload_task_t *t)
-{
-    if (t->in_request) {
-        ngx_queue_remove(&t->rlink);
-        t->in_request = 0;
-    }
-
-    t->lua = 0;
-
-    /*
-     * else resolved as "closed" while a runtime thread still holds it:
-     * freed with its semaphore when the answer comes
-     */
-    if (!t->rt) {
-        ngx_loom_offload_discard(t);
-
-    } else {
-        ngx_loom_offload_overdue(t);
-    }
-}
-
-
-/*
- * The wait timed out. Returns 1 when the result arrived anyway (in the
- * same event loop iteration): the caller then reads it as usual.
- * Otherwise marks the task cancelled and lets go of it; returns 0.
- */
-int
-ngx_loom_offload_ffi_cancel(loom_offload_task_t *t)
-{
-    if (t->resolved) {
-        return 1;
-    }
-
-    t->queue->timeouts++;
-
-    ngx_loom_store(&t->cancelled, 1);
-
-    if (t->in_request) {
-        ngx_queue_remove(&t->rlink);
-        t->in_request = 0;
-    }
-
-    t->lua = 0;
-
-    ngx_loom_offload_unpend(t);
-
-    if (!t->rt) {
-        ngx_loom_offload_discard(t);
-
-    } else {
-        ngx_loom_offload_overdue(t);
-    }
-
-    return 0;
 }
 
 

@@ -237,6 +237,20 @@ extern ngx_module_t               ngx_loom_offload_module;
 extern ngx_loom_offload_worker_t  ngx_loom_offload_w;
 
 
+/* ngx_loom_offload.c */
+void ngx_loom_offload_unpend(loom_offload_task_t *t);
+ngx_loom_offload_held_t *ngx_loom_offload_held_stripe(
+    loom_offload_task_t *t);
+loom_offload_task_t **ngx_loom_offload_held_find(
+    ngx_loom_offload_held_t *h, loom_offload_task_t *t);
+
+/* ngx_loom_offload_task.c */
+void ngx_loom_offload_request_cleanup(void *data);
+void ngx_loom_offload_gc_handler(ngx_event_t *ev);
+void ngx_loom_offload_task_free(loom_offload_task_t *t);
+void ngx_loom_offload_trim_handler(ngx_event_t *ev);
+void ngx_loom_offload_reclaim_handler(ngx_event_t *ev);
+
 /* ngx_loom_offload_stats.c */
 void ngx_loom_offload_latency(loom_offload_queue_t *q, uint64_t us);
 
