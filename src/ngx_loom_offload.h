@@ -236,13 +236,26 @@ ngx_loom_offload_now_ns(void)
 extern ngx_module_t               ngx_loom_offload_module;
 extern ngx_loom_offload_worker_t  ngx_loom_offload_w;
 
+/* the queue a runtime thread took its last task from (or NULL) */
+extern __thread loom_offload_queue_t  *ngx_loom_offload_tls_q;
+
 
 /* ngx_loom_offload.c */
+void ngx_loom_offload_started(loom_offload_queue_t *q);
+void ngx_loom_offload_exiting(ngx_uint_t now);
 void ngx_loom_offload_unpend(loom_offload_task_t *t);
 ngx_loom_offload_held_t *ngx_loom_offload_held_stripe(
     loom_offload_task_t *t);
 loom_offload_task_t **ngx_loom_offload_held_find(
     ngx_loom_offload_held_t *h, loom_offload_task_t *t);
+
+/* ngx_loom_offload_completion.c */
+int ngx_loom_offload_answer(loom_offload_task_t *t, int status,
+    const void *data, size_t len);
+void ngx_loom_offload_publish(loom_offload_task_t *t);
+ngx_int_t ngx_loom_offload_channel_open(u_char *err, size_t *errlen);
+void ngx_loom_offload_channel_close(void);
+void ngx_loom_offload_resolve(loom_offload_task_t *t, int result);
 
 /* ngx_loom_offload_task.c */
 void ngx_loom_offload_request_cleanup(void *data);
