@@ -243,7 +243,16 @@ extern __thread loom_offload_queue_t  *ngx_loom_offload_tls_q;
 /* ngx_loom_offload.c */
 void ngx_loom_offload_started(loom_offload_queue_t *q);
 void ngx_loom_offload_exiting(ngx_uint_t now);
+
+/* ngx_loom_offload_queue.c */
+int ngx_loom_offload_wait(loom_offload_queue_t *q, int timeout_ms,
+    loom_offload_task_t **task);
+const unsigned char *ngx_loom_offload_request(loom_offload_task_t *t,
+    size_t *len);
+int ngx_loom_offload_cancelled(loom_offload_task_t *t);
+void ngx_loom_offload_kick_handler(ngx_event_t *ev);
 void ngx_loom_offload_unpend(loom_offload_task_t *t);
+void ngx_loom_offload_held_init(void);
 ngx_loom_offload_held_t *ngx_loom_offload_held_stripe(
     loom_offload_task_t *t);
 loom_offload_task_t **ngx_loom_offload_held_find(
