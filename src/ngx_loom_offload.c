@@ -4,34 +4,27 @@
  *
  * resty.loom.offload, the nginx side: per-worker bounded task queues that
  * offload runtimes (include/loom_offload.h) take tasks from on their own
- * threads, and a completion channel back to the event loop.
+ * threads, and a completion channel back to the event loop. Lua submits
+ * a task and waits on a semaphore made with lua-nginx-module's public FFI
+ * functions (ngx_http_lua_ffi_sema_*, resolved with dlsym); a runtime
+ * thread takes it, runs it and answers from any thread.
  *
- *   - Lua submits a task (ngx_loom_offload_ffi_submit) and waits on a
- *     semaphore this module creates with lua-nginx-module's public FFI
- *     functions (ngx_http_lua_ffi_sema_*, resolved with dlsym).
- *   - Runtime threads take tasks with host->wait() (a mutex and condition
- *     variable, with a short spin first so that a busy runtime thread
- *     picks the next task up without a futex wake-up) and answer from any
- *     thread with host->answer(), which pushes the task on the worker's
- *     lock-free completion list and writes the worker's eventfd only when
- *     that list was empty.
- *   - Sleeping runtime threads are woken once per event loop iteration
- *     (a posted event), not once per task, and only as many as the
- *     backlog needs given how long tasks take: a fast runtime's tasks are
- *     left to the threads already awake.
- *   - The eventfd sits in the nginx event loop on a connection of its
- *     own; its read handler drains the completion list and posts the
- *     semaphores on the main thread. The connection is marked idle, so
- *     that nginx tells us when a graceful shutdown begins: each runtime
- *     then gets its grace period, after which waiting calls get "closed".
- *   - Each task is owned by up to two parties: Lua (until the call
- *     returns, times out, or its request goes away) and the runtime (from
- *     submission until the answer reaches the main thread). It is freed
- *     when neither holds it, so late answers are dropped, never delivered
- *     to another call.
- *   - Runtimes are dlopen()ed and initialised on a start-up thread with
- *     all signals blocked, never on the event loop; at worker exit they
- *     are shut down on helper threads with a bounded wait.
+ * This file holds the module and the runtime registry and lifecycle: the
+ * worker's list of runtimes, each dlopen()ed and initialised on a
+ * start-up thread with all signals blocked (never on the event loop),
+ * closed on request or when its grace period after a graceful shutdown
+ * began is over (waiting calls then get "closed"), and shut down at
+ * worker exit on helper threads with a bounded wait. The mechanisms live
+ * beside it, sharing ngx_loom_offload.h:
+ *
+ *   ngx_loom_offload_queue.c       the task queue: submit, host->wait(),
+ *                                  waking sleeping runtime threads
+ *   ngx_loom_offload_completion.c  host->answer() to the event loop: the
+ *                                  completion list, the eventfd, polling
+ *   ngx_loom_offload_task.c        who holds a task and when it is freed
+ *   ngx_loom_offload_stats.c       the latency histogram, rt:stats()
+ *   ngx_loom_offload_sigchld.c     nginx's SIGCHLD handler kept off the
+ *                                  children of runtime threads
  */
 
 
@@ -48,7 +41,7 @@ static void *ngx_loom_offload_start_thread(void *data);
 static void *ngx_loom_offload_shutdown_thread(void *data);
 static int ngx_loom_offload_spawn(void *(*fn)(void *), void *data);
 
-/* the host table handed to runtimes */
+/* host->log(); the rest of the host table: queue.c, completion.c */
 static void ngx_loom_offload_log(loom_offload_queue_t *q, int level,
     const char *msg, size_t len);
 
@@ -110,8 +103,6 @@ static pthread_mutex_t  ngx_loom_offload_exit_mtx = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t   ngx_loom_offload_exit_cond = PTHREAD_COND_INITIALIZER;
 
 
-/* {{{ the host table */
-
 static void
 ngx_loom_offload_log(loom_offload_queue_t *q, int level, const char *msg,
     size_t len)
@@ -130,8 +121,6 @@ ngx_loom_offload_log(loom_offload_queue_t *q, int level, const char *msg,
     ngx_log_error((ngx_uint_t) level, ngx_cycle->log, 0,
                   "[loom.offload] %s: %*s", q->path, len, msg);
 }
-
-/* }}} */
 
 
 static ngx_int_t

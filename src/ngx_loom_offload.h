@@ -24,7 +24,7 @@
 #include <loom_offload.h>
 
 
-
+/* a runtime's state (ngx_loom_offload_ffi_state) */
 #define LOOM_OFFLOAD_STARTING        0
 #define LOOM_OFFLOAD_READY           1
 #define LOOM_OFFLOAD_FAILED          2
@@ -233,10 +233,11 @@ ngx_loom_offload_now_ns(void)
 }
 
 
+/* both in ngx_loom_offload.c */
 extern ngx_module_t               ngx_loom_offload_module;
 extern ngx_loom_offload_worker_t  ngx_loom_offload_w;
 
-/* the queue a runtime thread took its last task from (or NULL) */
+/* ngx_loom_offload_queue.c: the queue a runtime thread last took from */
 extern __thread loom_offload_queue_t  *ngx_loom_offload_tls_q;
 
 
