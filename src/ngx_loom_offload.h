@@ -233,8 +233,17 @@ ngx_loom_offload_now_ns(void)
 }
 
 
-/* both in ngx_loom_offload.c */
-extern ngx_module_t               ngx_loom_offload_module;
+extern ngx_module_t  ngx_loom_offload_module;
+
+
+/*
+ * what the files share stays inside the module: the .so exports the
+ * FFI entry points and ngx_loom_offload_module only, as when this was
+ * one file, and calls between the files need no PLT
+ */
+#pragma GCC visibility push(hidden)
+
+/* ngx_loom_offload.c: the worker's runtimes and completion channel */
 extern ngx_loom_offload_worker_t  ngx_loom_offload_w;
 
 /* ngx_loom_offload_queue.c: the queue a runtime thread last took from */
@@ -279,6 +288,8 @@ void ngx_loom_offload_latency(loom_offload_queue_t *q, uint64_t us);
 
 /* ngx_loom_offload_sigchld.c */
 void ngx_loom_offload_sigchld_wrap(void);
+
+#pragma GCC visibility pop
 
 
 #endif /* _NGX_LOOM_OFFLOAD_H_INCLUDED_ */
