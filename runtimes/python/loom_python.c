@@ -182,7 +182,7 @@ loom_py_module_init(void)
  * subprocess takes ECHILD from waitpid() to mean "exited, status
  * unknown" and reports returncode 0: a failed command looks like a
  * success. The host leaves the children of runtime threads to them (see
- * the SIGCHLD notes in src/ngx_loom_offload.c), but whatever else reaps
+ * the SIGCHLD notes in src/ngx_loom_offload_sigchld.c), but whatever else reaps
  * one (a module's waitpid(-1) running at the same moment) must not turn
  * into a false success: the call raises ChildProcessError instead.
  */
