@@ -1,7 +1,12 @@
 # resty-loom: build, test and run.
 #
-#   make run     install what is missing, build, start the example gateway
-#   make test    lint, build, run the whole test suite
+#   make run     install what the gateway needs, build the module and the C
+#                runtime, start the example gateway (no Go, no Rust)
+#   make test    install everything, lint, build (runtimes included), run
+#                the whole test suite
+#   make runtimes  build the offload runtimes (C, Rust, Go, Python)
+#   make install   PREFIX=/usr/local (DESTDIR= for staging)
+#   make deb       build/libnginx-mod-http-loom_<version>-1_<arch>.deb
 #   make build   build build/ngx_loom_module.so (NGINX_SRC=<tree> to use
 #                another nginx or OpenResty source tree) and the benchmark's
 #                Pub/Sub sink, build/pubsub-sink
@@ -21,16 +26,33 @@ SINK         := $(BUILD_DIR)/pubsub-sink
 C_SOURCES    := $(wildcard src/*.c src/*.h include/*.h) config
 RUNTIMES     := $(patsubst %/Makefile,%,$(wildcard runtimes/*/Makefile))
 
-.PHONY: all deps build runtimes test lint run clean bench
+# the release: src/ngx_loom.h's NGX_LOOM_VERSION (each Lua module's
+# _VERSION, the rockspec and dist.ini say the same; tests check it)
+VERSION      := $(shell sed -n 's/^\#define NGX_LOOM_VERSION *"\(.*\)"/\1/p' \
+                  src/ngx_loom.h)
+# make install [PREFIX=/usr/local] [DESTDIR=<staging root>]
+PREFIX       ?= /usr/local
+LUA_DIR      ?= $(PREFIX)/share/lua/5.1
+MODULES_DIR  ?= $(PREFIX)/lib/nginx/modules
+INCLUDE_DIR  ?= $(PREFIX)/include
+DOC_DIR      ?= $(PREFIX)/share/doc/lua-resty-loom
+
+.PHONY: all deps deps-run build runtimes test lint run clean bench install \
+        deb
 
 all: build
 
-# Installs the Debian packages listed in deps/apt-packages.txt that are missing.
-deps:
-	@missing=$$(for p in $$(grep -v '^#' deps/apt-packages.txt); do \
+# apt_install(list): installs the Debian packages of a list that are missing.
+# Only apt needs root: without it, one line says what to run.
+define apt_install
+	@missing=$$(for p in $$(grep -v '^#' $(1)); do \
 	    dpkg-query -W -f='$${Status}' $$p 2>/dev/null \
 	        | grep -q 'install ok installed' || echo $$p; done); \
-	if [ -n "$$missing" ]; then \
+	missing=$$(echo $$missing); \
+	if [ -n "$$missing" ] && [ "$$(id -u)" != 0 ]; then \
+	    echo "missing Debian packages; run: sudo apt-get install $$missing"; \
+	    exit 1; \
+	elif [ -n "$$missing" ]; then \
 	    echo "installing: $$missing"; \
 	    if [ ! -f $(BUILD_DIR)/.apt-updated ]; then \
 	        apt-get update -qq && mkdir -p $(BUILD_DIR) \
@@ -38,6 +60,16 @@ deps:
 	    DEBIAN_FRONTEND=noninteractive flock /tmp/apt.lock \
 	        apt-get install -y -qq $$missing >/dev/null; \
 	fi
+endef
+
+# everything: tests, benchmarks, packaging, every runtime
+deps:
+	$(call apt_install,deps/apt-packages.txt)
+
+# what the example gateway needs
+RUN_PACKAGES ?= deps/apt-packages-run.txt
+deps-run:
+	$(call apt_install,$(RUN_PACKAGES))
 
 build: $(MODULE) $(SINK)
 
@@ -71,14 +103,21 @@ $(SINK): tests/pubsub/sink.c
 runtimes:
 	@for d in $(RUNTIMES); do $(MAKE) -C $$d all || exit 1; done
 
+# the example C runtime alone: the gateway's /offload endpoints use it
+RUNTIME_C := runtimes/c/libloom_offload_c.so
+$(RUNTIME_C): runtimes/c/loom_c.c include/loom_offload.h
+	$(MAKE) -C runtimes/c all
+
 lint:
 	luacheck -q lib examples tests/lua bench
 
 test: deps build runtimes lint
 	$(PYTHON) -m pytest -q tests $(PYTEST_ARGS)
 
-# Starts the example gateway in the foreground on 127.0.0.1:8080.
-run: deps build runtimes
+# Starts the example gateway in the foreground on 127.0.0.1:8080
+# (LOOM_GATEWAY_LISTEN=127.0.0.1:8081 make run for another address). It
+# needs only the module and the C runtime: no Go, no Rust.
+run: deps-run $(MODULE) $(RUNTIME_C)
 	@examples/gateway/run.sh
 
 # make bench-<area> runs bench/<area>/run.py (writes bench/results/<area>.json)
@@ -86,6 +125,20 @@ bench-%: deps build runtimes
 	$(PYTHON) bench/$*/run.py
 
 bench: bench-events bench-timer bench-offload bench-watchdog bench-publish
+
+# the Lua modules, the nginx module, the offload ABI header and the docs
+install: $(MODULE)
+	cd lib && find resty -name '*.lua' -exec \
+	    install -D -m 0644 {} $(DESTDIR)$(LUA_DIR)/{} \;
+	install -D -m 0644 $(MODULE) $(DESTDIR)$(MODULES_DIR)/ngx_loom_module.so
+	install -D -m 0644 include/loom_offload.h \
+	    $(DESTDIR)$(INCLUDE_DIR)/loom_offload.h
+	install -d $(DESTDIR)$(DOC_DIR)
+	install -m 0644 README.md CHANGELOG.md LICENSE docs/*.md $(DESTDIR)$(DOC_DIR)
+
+# build/libnginx-mod-http-loom_<version>-1_<arch>.deb (packaging/deb)
+deb: $(MODULE)
+	packaging/deb/build.sh $(VERSION) $(BUILD_DIR)
 
 clean:
 	rm -rf $(BUILD_DIR)

@@ -176,8 +176,11 @@ typedef struct loom_offload_host_s {
      * host copies the bytes before returning; they stay the caller's. The
      * task pointer is invalid after this call, whatever it returns.
      * Returns 0, or -1 when the host could not allocate the copy (the
-     * caller then gets "runtime error: no memory"). Must be called exactly
-     * once per task, from any thread.
+     * caller then gets "runtime error: no memory"), when data is NULL
+     * and len is not 0 (the call fails, logged), or when the task is not
+     * one the runtime holds: answered already, or never taken (ignored
+     * and logged; the pointer is not dereferenced). Must be called
+     * exactly once per task, from any thread.
      */
     int                   (*answer)(loom_offload_task_t *task, int status,
                                     const void *data, size_t len);

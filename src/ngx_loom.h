@@ -12,6 +12,10 @@
 #include <ngx_core.h>
 
 
+/* the release; every Lua module's _VERSION is the same */
+#define NGX_LOOM_VERSION     "0.1.0"
+
+
 /* return codes of FFI entry points, the same values lua-resty-core uses */
 #define LOOM_FFI_OK           0
 #define LOOM_FFI_ERROR       -1

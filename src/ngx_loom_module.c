@@ -450,4 +450,13 @@ ngx_loom_ffi_is_sibling(int pid)
     return ppid == (long) getppid();
 }
 
+
+/* FFI: the release, which the Lua modules' _VERSION must match */
+const char *
+ngx_loom_ffi_version(void)
+{
+    return NGX_LOOM_VERSION;
+}
+
+
 /* vi:set ft=c ts=4 sw=4 et fdm=marker: */

@@ -4,337 +4,53 @@
  *
  * resty.loom.offload, the nginx side: per-worker bounded task queues that
  * offload runtimes (include/loom_offload.h) take tasks from on their own
- * threads, and a completion channel back to the event loop.
+ * threads, and a completion channel back to the event loop. Lua submits
+ * a task and waits on a semaphore made with lua-nginx-module's public FFI
+ * functions (ngx_http_lua_ffi_sema_*, resolved with dlsym); a runtime
+ * thread takes it, runs it and answers from any thread.
  *
- *   - Lua submits a task (ngx_loom_offload_ffi_submit) and waits on a
- *     semaphore this module creates with lua-nginx-module's public FFI
- *     functions (ngx_http_lua_ffi_sema_*, resolved with dlsym).
- *   - Runtime threads take tasks with host->wait() (a mutex and condition
- *     variable, with a short spin first so that a busy runtime thread
- *     picks the next task up without a futex wake-up) and answer from any
- *     thread with host->answer(), which pushes the task on the worker's
- *     lock-free completion list and writes the worker's eventfd only when
- *     that list was empty.
- *   - Sleeping runtime threads are woken once per event loop iteration
- *     (a posted event), not once per task, and only as many as the
- *     backlog needs given how long tasks take: a fast runtime's tasks are
- *     left to the threads already awake.
- *   - The eventfd sits in the nginx event loop on a connection of its
- *     own; its read handler drains the completion list and posts the
- *     semaphores on the main thread. The connection is marked idle, so
- *     that nginx tells us when a graceful shutdown begins: each runtime
- *     then gets its grace period, after which waiting calls get "closed".
- *   - Each task is owned by up to two parties: Lua (until the call
- *     returns, times out, or its request goes away) and the runtime (from
- *     submission until the answer reaches the main thread). It is freed
- *     when neither holds it, so late answers are dropped, never delivered
- *     to another call.
- *   - Runtimes are dlopen()ed and initialised on a start-up thread with
- *     all signals blocked, never on the event loop; at worker exit they
- *     are shut down on helper threads with a bounded wait.
+ * This file holds the module and the runtime registry and lifecycle: the
+ * worker's list of runtimes, each dlopen()ed and initialised on a
+ * start-up thread with all signals blocked (never on the event loop),
+ * closed on request or when its grace period after a graceful shutdown
+ * began is over (waiting calls then get "closed"), and shut down at
+ * worker exit on helper threads with a bounded wait. The mechanisms live
+ * beside it, sharing ngx_loom_offload.h:
+ *
+ *   ngx_loom_offload_queue.c       the task queue: submit, host->wait(),
+ *                                  waking sleeping runtime threads
+ *   ngx_loom_offload_completion.c  host->answer() to the event loop: the
+ *                                  completion list, the eventfd, polling
+ *   ngx_loom_offload_task.c        who holds a task and when it is freed
+ *   ngx_loom_offload_stats.c       the latency histogram, rt:stats()
+ *   ngx_loom_offload_sigchld.c     nginx's SIGCHLD handler kept off the
+ *                                  children of runtime threads
  */
 
 
-#ifndef _GNU_SOURCE
-#define _GNU_SOURCE
-#endif
-
-#include "ngx_loom.h"
-#include <ngx_event.h>
-#include <ngx_http.h>
+#include "ngx_loom_offload.h"
 #include <dlfcn.h>
-#include <pthread.h>
-#include <sched.h>
 #include <signal.h>
-#include <sys/eventfd.h>
-#include <loom_offload.h>
-
-
-#define LOOM_OFFLOAD_STARTING        0
-#define LOOM_OFFLOAD_READY           1
-#define LOOM_OFFLOAD_FAILED          2
-#define LOOM_OFFLOAD_CLOSING         3
-
-/* where a task is, guarded by the queue mutex */
-#define LOOM_WHERE_NONE              0
-#define LOOM_WHERE_PENDING           1
-#define LOOM_WHERE_TAKEN             2
-
-/* results seen by Lua (ngx_loom_offload_ffi_result) */
-#define LOOM_RESULT_OK               0
-#define LOOM_RESULT_ERROR            1
-#define LOOM_RESULT_CLOSED           2
-#define LOOM_RESULT_NOMEM            3
-
-/* the event loop polling for an answer (ngx_loom_offload_ffi_poll) */
-#define LOOM_FAST_NONE               0
-#define LOOM_FAST_POLLING            1
-#define LOOM_FAST_ANSWERED           2
-
-/* answer status used internally when the response copy failed */
-#define LOOM_STATUS_NOMEM            (-1)
-
-/* latency histogram: 8 sub-buckets per power of two, in microseconds */
-#define LOOM_HIST_SUB_BITS           3
-#define LOOM_HIST_SUB                (1 << LOOM_HIST_SUB_BITS)
-#define LOOM_HIST_BUCKETS            (LOOM_HIST_SUB * 40)
-
-#define LOOM_MIN_INLINE_RSP          256
-#define LOOM_ERR_LEN                 512
-
-/*
- * roughly what waking a sleeping runtime thread costs (a futex call on
- * each side, often a wake-up on the other CPU): tasks the awake threads
- * will take within this time are left to them, and a thread busy for
- * longer than this gets help
- */
-#define LOOM_WAKE_NS                 50000
-
-/* how soon tasks left to busy threads are looked at again (ms) */
-#define LOOM_WAKE_CHECK_MS           1
-
-/*
- * a spin that found a task only after this long cost its CPU more than the
- * wake-up it saved (a futex call on each side): it counts as a miss, and
- * the spin window halves. Under concurrent load tasks come every few tens
- * of microseconds, and a spinner that caught each of them late kept the
- * full window and a CPU the event loops needed
- */
-#define LOOM_SPIN_PAYS_NS            10000
-
-/* at most this many calls skip the poll after polls that missed */
-#define LOOM_POLL_BACKOFF_MAX        256
-
-
-typedef int (*ngx_loom_sema_new_pt)(void **psem, int n, char **errmsg);
-typedef int (*ngx_loom_sema_post_pt)(void *sem, int n);
-typedef void (*ngx_loom_sema_gc_pt)(void *sem);
-
-
-typedef struct {
-    ngx_queue_t                  tasks;
-} ngx_loom_offload_rctx_t;
-
-
-struct loom_offload_task_s {
-    ngx_queue_t                  pending;      /* queue mutex */
-    loom_offload_task_t         *next;         /* completion / garbage */
-    ngx_queue_t                  live;         /* main thread */
-    ngx_queue_t                  rlink;        /* main thread */
-    loom_offload_queue_t        *queue;
-    void                        *sem;
-    uint64_t                     start_ns;
-
-    /* written by the taking thread under the queue mutex */
-    uint64_t                     take_ns;
-
-    /* written by the answering thread before it publishes the task */
-    u_char                      *rsp;
-    size_t                       rsp_len;
-    uint64_t                     answer_ns;
-    int                          status;
-    int                          rsp_heap;
-
-    int                          cancelled;    /* atomic */
-    int                          fast;         /* atomic, LOOM_FAST_* */
-    int                          where;        /* queue mutex */
-    int                          result;       /* main thread */
-
-    /* main thread only */
-    unsigned                     lua:1;
-    unsigned                     rt:1;
-    unsigned                     resolved:1;
-    unsigned                     in_request:1;
-    unsigned                     control:1;
-    unsigned                     garbage:1;
-    unsigned                     kick:1;       /* needs a sleeper woken */
-    unsigned                     woke:1;       /* woke a sleeper at once */
-    unsigned                     poll:1;       /* the loop may poll */
-
-    size_t                       req_len;
-    size_t                       cap;
-    u_char                       data[1];
-};
-
-
-struct loom_offload_queue_s {
-    pthread_mutex_t              mtx;
-    pthread_cond_t               cond;
-    ngx_queue_t                  pending;
-    ngx_uint_t                   npending;     /* atomic reads */
-    ngx_uint_t                   taken;        /* atomic reads */
-    ngx_uint_t                   spinners;
-    ngx_uint_t                   sleepers;
-    ngx_uint_t                   waking;       /* signalled, not yet up */
-    ngx_uint_t                   busy;         /* took a task, not back */
-    uint64_t                     svc_ns;       /* take -> back, average */
-    uint64_t                     progress_ns;  /* last take or return */
-    ngx_uint_t                   closed;       /* atomic reads */
-    ngx_uint_t                   bound;
-    uint64_t                     spin_ns;
-    uint64_t                     spin_cur_ns;  /* adaptive, under mtx */
-
-    /* main thread */
-    uint64_t                     poll_ns;
-    uint64_t                     ewma_ns;      /* take -> answer */
-    uint64_t                     pick_ns;      /* submit -> take, awake */
-    uint64_t                     wake_ns;      /* submit -> take, woken */
-    ngx_uint_t                   poll_skip;    /* calls not to poll for */
-    ngx_uint_t                   poll_backoff;
-    uint64_t                     polled;
-    uint64_t                     polled_hits;
-    uint64_t                     peak_queued;
-    ngx_queue_t                  link;
-    ngx_queue_t                  live;
-    int                          state;
-    int                          started;      /* init() returned 0 */
-    char                        *path;
-    char                        *config;
-    size_t                       config_len;
-    unsigned                     threads;
-    ngx_msec_t                   grace;
-    int                          global;
-    ngx_event_t                  grace_ev;
-    ngx_event_t                  kick_ev;      /* posted: wake sleepers */
-    ngx_event_t                  wake_ev;      /* timer: the same, later */
-
-    /* written by the start-up thread before it publishes "control" */
-    void                        *dl;
-    void                        *instance;
-    loom_offload_shutdown_pt     shutdown;
-    int                          start_rc;
-    char                         err[LOOM_ERR_LEN];
-
-    /* shutdown helper; guarded by ngx_loom_offload_exit_mtx */
-    int                          shut_done;
-
-    /* statistics, main thread */
-    uint64_t                     submitted;
-    uint64_t                     answered;
-    uint64_t                     completed;
-    uint64_t                     errors;
-    uint64_t                     timeouts;
-    uint64_t                     rejected;
-    uint64_t                     closed_calls;
-    uint64_t                     aborted;
-    uint64_t                     late;
-    uint64_t                     lat_n;
-    uint64_t                     lat_sum;
-    uint64_t                     lat_max;
-    uint64_t                     hist[LOOM_HIST_BUCKETS];
-
-    /* submit to a thread taking the task, microseconds */
-    uint64_t                     wait_sum;
-    uint64_t                     wait_hist[LOOM_HIST_BUCKETS];
-
-    loom_offload_task_t          control;
-};
-
-
-typedef struct {
-    double                       state;
-    double                       threads;
-    double                       queued;
-    double                       running;
-    double                       submitted;
-    double                       completed;
-    double                       errors;
-    double                       timeouts;
-    double                       rejected;
-    double                       closed;
-    double                       aborted;
-    double                       late;
-    double                       lat_n;
-    double                       lat_mean;
-    double                       lat_max;
-    double                       p50;
-    double                       p90;
-    double                       p99;
-    double                       p999;
-    double                       polled;
-    double                       polled_hits;
-    double                       peak_queued;
-} ngx_loom_offload_stats_t;
-
-
-typedef struct {
-    pthread_mutex_t              lock;         /* fd against exit */
-    loom_offload_task_t         *done;         /* atomic, newest first */
-    int                          fd;
-
-    /* main thread */
-    ngx_uint_t                   inited;
-    ngx_uint_t                   exiting;
-    ngx_uint_t                   edge;         /* edge-triggered eventfd */
-    ngx_uint_t                   wakeups;
-    ngx_connection_t            *conn;
-    ngx_queue_t                  queues;
-    loom_offload_task_t         *garbage;
-    ngx_event_t                  gc_event;
-    ngx_loom_sema_new_pt         sema_new;
-    ngx_loom_sema_post_pt        sema_post;
-    ngx_loom_sema_gc_pt          sema_gc;
-} ngx_loom_offload_worker_t;
 
 
 static void ngx_loom_offload_exit_process(ngx_cycle_t *cycle);
 static ngx_int_t ngx_loom_offload_worker_init(u_char *err, size_t *errlen);
-static void ngx_loom_offload_read_handler(ngx_event_t *rev);
-static void ngx_loom_offload_gc_handler(ngx_event_t *ev);
 static void ngx_loom_offload_grace_handler(ngx_event_t *ev);
-static void ngx_loom_offload_kick_handler(ngx_event_t *ev);
-static ngx_uint_t ngx_loom_offload_may_poll(loom_offload_queue_t *q,
-    uint64_t pick_ns);
-static void ngx_loom_offload_avg(uint64_t *avg, int64_t sample,
-    uint64_t cap);
-static ngx_uint_t ngx_loom_offload_wakes(loom_offload_queue_t *q,
-    uint64_t now);
-static void ngx_loom_offload_back(loom_offload_queue_t *q, uint64_t now);
-static void ngx_loom_offload_exiting(ngx_uint_t now);
 static void ngx_loom_offload_close(loom_offload_queue_t *q);
-static void ngx_loom_offload_done(loom_offload_task_t *t);
-static void ngx_loom_offload_started(loom_offload_queue_t *q);
-static void ngx_loom_offload_resolve(loom_offload_task_t *t, int result);
-static void ngx_loom_offload_task_free(loom_offload_task_t *t);
-static void ngx_loom_offload_unpend(loom_offload_task_t *t);
-static void ngx_loom_offload_request_cleanup(void *data);
-static void ngx_loom_offload_publish(loom_offload_task_t *t);
 static void *ngx_loom_offload_start_thread(void *data);
 static void *ngx_loom_offload_shutdown_thread(void *data);
 static int ngx_loom_offload_spawn(void *(*fn)(void *), void *data);
-static uint64_t ngx_loom_offload_now_ns(void);
-static ngx_uint_t ngx_loom_offload_hist_index(uint64_t us);
-static double ngx_loom_offload_hist_value(ngx_uint_t i);
-void ngx_loom_offload_ffi_histogram(loom_offload_queue_t *q, int which,
-    const double *le, int n, double *out);
 
-/* the host table handed to runtimes */
-static int ngx_loom_offload_wait(loom_offload_queue_t *q, int timeout_ms,
-    loom_offload_task_t **task);
-static const unsigned char *ngx_loom_offload_request(
-    loom_offload_task_t *t, size_t *len);
-static int ngx_loom_offload_cancelled(loom_offload_task_t *t);
-static int ngx_loom_offload_answer(loom_offload_task_t *t, int status,
-    const void *data, size_t len);
+/* host->log(); the rest of the host table: queue.c, completion.c */
 static void ngx_loom_offload_log(loom_offload_queue_t *q, int level,
     const char *msg, size_t len);
 
 /* FFI entry points */
 int ngx_loom_offload_ffi_load(const char *path, const char *config,
     size_t config_len, int threads, int bound, int grace_ms, int spin_us,
-    int poll_us, int global, loom_offload_queue_t **out, u_char *err,
-    size_t *errlen);
-int ngx_loom_offload_ffi_poll(loom_offload_task_t *t);
-int ngx_loom_offload_ffi_submit(ngx_http_request_t *r,
-    loom_offload_queue_t *q, const u_char *data, size_t len,
-    loom_offload_task_t **out, void **sem);
-int ngx_loom_offload_ffi_result(loom_offload_task_t *t, u_char **data,
-    size_t *len);
-void ngx_loom_offload_ffi_release(loom_offload_task_t *t);
-int ngx_loom_offload_ffi_cancel(loom_offload_task_t *t);
+    int poll_us, int reclaim_ms, int global, loom_offload_queue_t **out,
+    u_char *err, size_t *errlen);
 int ngx_loom_offload_ffi_state(loom_offload_queue_t *q, char **err);
-void ngx_loom_offload_ffi_stats(loom_offload_queue_t *q,
-    ngx_loom_offload_stats_t *st);
 int ngx_loom_offload_ffi_close(loom_offload_queue_t *q);
 
 
@@ -377,366 +93,14 @@ static const loom_offload_host_t  ngx_loom_offload_host = {
 };
 
 
-static ngx_loom_offload_worker_t  ngx_loom_offload_w = {
+ngx_loom_offload_worker_t  ngx_loom_offload_w = {
     PTHREAD_MUTEX_INITIALIZER, NULL, -1,
     0, 0, 0, 0, NULL, { NULL, NULL }, NULL,
-    { 0 }, NULL, NULL, NULL
+    { 0 }, 0, 0, { 0 }, NULL, NULL, NULL
 };
 
 static pthread_mutex_t  ngx_loom_offload_exit_mtx = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t   ngx_loom_offload_exit_cond = PTHREAD_COND_INITIALIZER;
-
-
-#if (defined __x86_64__ || defined __i386__)
-#define ngx_loom_cpu_relax()  __builtin_ia32_pause()
-#elif (defined __aarch64__)
-#define ngx_loom_cpu_relax()  __asm__ __volatile__ ("yield" ::: "memory")
-#else
-#define ngx_loom_cpu_relax()
-#endif
-
-#define ngx_loom_load(p)      __atomic_load_n(p, __ATOMIC_ACQUIRE)
-#define ngx_loom_store(p, v)  __atomic_store_n(p, v, __ATOMIC_RELEASE)
-
-
-/*
- * the queue a runtime thread took its last task from, and when: the
- * thread is "busy" until it calls wait() again (how long that takes is
- * the queue's service time, which decides whether a new task is left to
- * it or a sleeping thread is woken)
- */
-static __thread loom_offload_queue_t  *ngx_loom_offload_tls_q;
-static __thread uint64_t               ngx_loom_offload_tls_ns;
-
-
-static uint64_t
-ngx_loom_offload_now_ns(void)
-{
-    struct timespec  ts;
-
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-
-    return (uint64_t) ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
-
-
-/* {{{ the host table */
-
-static int
-ngx_loom_offload_wait(loom_offload_queue_t *q, int timeout_ms,
-    loom_offload_task_t **task)
-{
-    int                    rc, slept;
-    uint64_t               deadline, now, spin;
-    ngx_uint_t             n;
-    ngx_queue_t           *x;
-    struct timespec        ts;
-    loom_offload_task_t   *t;
-    loom_offload_queue_t  *prev;
-
-    *task = NULL;
-    slept = 0;
-
-    prev = ngx_loom_offload_tls_q;
-    now = 0;
-
-    if (prev) {
-        /* back from the task taken last: this thread is not busy now */
-        ngx_loom_offload_tls_q = NULL;
-        now = ngx_loom_offload_now_ns();
-
-        if (prev != q) {
-            pthread_mutex_lock(&prev->mtx);
-            ngx_loom_offload_back(prev, now);
-            pthread_mutex_unlock(&prev->mtx);
-        }
-    }
-
-    pthread_mutex_lock(&q->mtx);
-
-    if (prev == q) {
-        ngx_loom_offload_back(q, now);
-    }
-
-    spin = q->spin_cur_ns;
-
-    if (ngx_queue_empty(&q->pending) && !q->closed && spin
-        && q->spinners == 0 && timeout_ms != 0)
-    {
-        /*
-         * spin a little before sleeping: a thread that has just answered
-         * usually gets the next task within microseconds under load, and
-         * taking it without a futex wake-up saves a cross-CPU round trip;
-         * one spinner per queue is enough, the others sleep. The spin
-         * halves after each miss (or a task found late, see
-         * LOOM_SPIN_PAYS_NS) and is restored when tasks come within the
-         * spin window again, so an idle runtime soon stops spinning.
-         */
-
-        q->spinners++;
-        pthread_mutex_unlock(&q->mtx);
-
-        deadline = ngx_loom_offload_now_ns() + spin;
-
-        for (n = 1; ngx_loom_load(&q->npending) == 0
-                    && !ngx_loom_load(&q->closed); n++)
-        {
-            ngx_loom_cpu_relax();
-
-            if ((n & 63) == 0) {
-                if (ngx_loom_offload_now_ns() >= deadline) {
-                    break;
-                }
-
-                /* let whatever else wants this CPU run (nginx, say) */
-                sched_yield();
-            }
-        }
-
-        /* how long the spin lasted: deadline is its start plus spin */
-        now = ngx_loom_offload_now_ns();
-
-        pthread_mutex_lock(&q->mtx);
-        q->spinners--;
-
-        if (!ngx_queue_empty(&q->pending)
-            && now + spin - deadline <= LOOM_SPIN_PAYS_NS)
-        {
-            q->spin_cur_ns = q->spin_ns;
-
-        } else {
-            q->spin_cur_ns /= 2;
-
-            if (q->spin_cur_ns < 1000) {
-                q->spin_cur_ns = 0;
-            }
-        }
-    }
-
-    deadline = 0;
-    now = 0;
-
-    if (timeout_ms > 0) {
-        now = ngx_loom_offload_now_ns();
-        deadline = now + (uint64_t) timeout_ms * 1000000;
-        ts.tv_sec = deadline / 1000000000;
-        ts.tv_nsec = deadline % 1000000000;
-    }
-
-    while (ngx_queue_empty(&q->pending)) {
-
-        if (q->closed) {
-            pthread_mutex_unlock(&q->mtx);
-            return LOOM_OFFLOAD_CLOSED;
-        }
-
-        if (timeout_ms == 0) {
-            pthread_mutex_unlock(&q->mtx);
-            return LOOM_OFFLOAD_TIMEDOUT;
-        }
-
-        if (q->spin_ns && now == 0) {
-            now = ngx_loom_offload_now_ns();
-        }
-
-        slept = 1;
-        q->sleepers++;
-
-        if (timeout_ms < 0) {
-            rc = pthread_cond_wait(&q->cond, &q->mtx);
-
-        } else {
-            rc = pthread_cond_timedwait(&q->cond, &q->mtx, &ts);
-        }
-
-        q->sleepers--;
-
-        if (q->waking) {
-            q->waking--;
-        }
-
-        if (rc == ETIMEDOUT && ngx_queue_empty(&q->pending)) {
-            rc = q->closed ? LOOM_OFFLOAD_CLOSED : LOOM_OFFLOAD_TIMEDOUT;
-            pthread_mutex_unlock(&q->mtx);
-            return rc;
-        }
-    }
-
-    if (slept && q->spin_ns && q->spin_cur_ns < q->spin_ns
-        && ngx_loom_offload_now_ns() - now < q->spin_ns)
-    {
-        /* the task came within the spin window: spinning pays again */
-        q->spin_cur_ns = q->spin_ns;
-    }
-
-    x = ngx_queue_head(&q->pending);
-    ngx_queue_remove(x);
-
-    t = ngx_queue_data(x, loom_offload_task_t, pending);
-    t->where = LOOM_WHERE_TAKEN;
-
-    ngx_loom_store(&q->npending, q->npending - 1);
-    ngx_loom_store(&q->taken, q->taken + 1);
-
-    now = ngx_loom_offload_now_ns();
-
-    t->take_ns = now;
-    q->busy++;
-    q->progress_ns = now;
-
-    pthread_mutex_unlock(&q->mtx);
-
-    ngx_loom_offload_tls_q = q;
-    ngx_loom_offload_tls_ns = now;
-
-    *task = t;
-
-    return LOOM_OFFLOAD_TASK;
-}
-
-
-/* a runtime thread came back from a task (under the queue mutex) */
-static void
-ngx_loom_offload_back(loom_offload_queue_t *q, uint64_t now)
-{
-    uint64_t  d;
-
-    if (q->busy) {
-        q->busy--;
-    }
-
-    d = now > ngx_loom_offload_tls_ns ? now - ngx_loom_offload_tls_ns : 0;
-
-    q->svc_ns = q->svc_ns - q->svc_ns / 8 + d / 8;
-    q->progress_ns = now;
-}
-
-
-/*
- * How many sleeping threads to wake for the tasks queued (under the
- * queue mutex). Waking costs a futex call on each side and often a
- * wake-up on the other CPU, so tasks the awake threads will soon be back
- * for (a fast runtime, a short backlog) are left to them: enough threads
- * are woken to take the queue within about one wake-up's time, judged by
- * the average service time. A thread busy for longer than that (a slow
- * or stuck task) gets help.
- */
-static ngx_uint_t
-ngx_loom_offload_wakes(loom_offload_queue_t *q, uint64_t now)
-{
-    ngx_uint_t  n, gap, idle, awake, want;
-
-    if (q->closed
-        || q->sleepers <= q->waking
-        || q->npending <= q->spinners + q->waking)
-    {
-        return 0;
-    }
-
-    gap = q->npending - q->spinners - q->waking;
-    idle = q->sleepers - q->waking;
-    awake = q->busy + q->spinners + q->waking;
-
-    want = (ngx_uint_t) ((q->svc_ns * q->npending) / LOOM_WAKE_NS) + 1;
-
-    n = want > awake ? want - awake : 0;
-
-    if (n == 0 && q->busy
-        && now > q->progress_ns && now - q->progress_ns > LOOM_WAKE_NS)
-    {
-        n = 1;
-    }
-
-    n = ngx_min(n, gap);
-
-    return ngx_min(n, idle);
-}
-
-
-static const unsigned char *
-ngx_loom_offload_request(loom_offload_task_t *t, size_t *len)
-{
-    if (len) {
-        *len = t->req_len;
-    }
-
-    return t->data;
-}
-
-
-static int
-ngx_loom_offload_cancelled(loom_offload_task_t *t)
-{
-    return ngx_loom_load(&t->cancelled) != 0;
-}
-
-
-static int
-ngx_loom_offload_answer(loom_offload_task_t *t, int status,
-    const void *data, size_t len)
-{
-    int      rc;
-    u_char  *p;
-
-    rc = 0;
-
-    if (status != LOOM_OFFLOAD_OK) {
-        status = LOOM_OFFLOAD_ERROR;
-    }
-
-    if (data == NULL) {
-        len = 0;
-    }
-
-    if (ngx_loom_load(&t->cancelled)) {
-        /* nobody waits: do not copy */
-        t->rsp = NULL;
-        len = 0;
-
-    } else if (len < t->cap) {
-        /* the request bytes are not needed any more: reuse their room */
-        if (len && data != t->data) {
-            memmove(t->data, data, len);
-        }
-
-        t->rsp = t->data;
-
-    } else {
-        p = malloc(len);
-
-        if (p == NULL) {
-            status = LOOM_STATUS_NOMEM;
-            len = 0;
-            rc = -1;
-
-        } else {
-            memcpy(p, data, len);
-            t->rsp_heap = 1;
-        }
-
-        t->rsp = p;
-    }
-
-    t->rsp_len = len;
-    t->status = status;
-    t->answer_ns = ngx_loom_offload_now_ns();
-
-    if (ngx_loom_load(&t->fast) == LOOM_FAST_POLLING) {
-        int  polling = LOOM_FAST_POLLING;
-
-        /* the event loop is polling for this very answer: hand it over */
-        if (__atomic_compare_exchange_n(&t->fast, &polling,
-                                        LOOM_FAST_ANSWERED, 0,
-                                        __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
-        {
-            return rc;
-        }
-    }
-
-    ngx_loom_offload_publish(t);
-
-    return rc;
-}
 
 
 static void
@@ -758,59 +122,11 @@ ngx_loom_offload_log(loom_offload_queue_t *q, int level, const char *msg,
                   "[loom.offload] %s: %*s", q->path, len, msg);
 }
 
-/* }}} */
-
-
-/* hands a finished task (or a start-up result) to the event loop */
-static void
-ngx_loom_offload_publish(loom_offload_task_t *t)
-{
-    uint64_t                    one;
-    loom_offload_task_t        *head;
-    ngx_loom_offload_worker_t  *w;
-
-    w = &ngx_loom_offload_w;
-
-    /* a lock-free push; the event loop takes the whole list at once */
-
-    head = __atomic_load_n(&w->done, __ATOMIC_RELAXED);
-
-    do {
-        t->next = head;
-    } while (!__atomic_compare_exchange_n(&w->done, &head, t, 1,
-                                          __ATOMIC_RELEASE,
-                                          __ATOMIC_RELAXED));
-
-    if (head != NULL) {
-        /* not the first since the event loop took the list: signalled */
-        return;
-    }
-
-    pthread_mutex_lock(&w->lock);
-
-    if (w->fd != -1) {
-        one = 1;
-
-        /*
-         * under the lock: exit_process closes fd under it too. An
-         * eventfd write fails only when its counter would overflow,
-         * which reads every 65536 wake-ups at most rule out
-         */
-        if (write(w->fd, &one, sizeof(uint64_t)) != sizeof(uint64_t)) {
-            /* void */
-        }
-    }
-
-    pthread_mutex_unlock(&w->lock);
-}
-
 
 static ngx_int_t
 ngx_loom_offload_worker_init(u_char *err, size_t *errlen)
 {
-    int                         fd;
     Dl_info                     info;
-    ngx_connection_t           *c;
     ngx_loom_offload_worker_t  *w;
 
     w = &ngx_loom_offload_w;
@@ -818,6 +134,8 @@ ngx_loom_offload_worker_init(u_char *err, size_t *errlen)
     if (w->inited) {
         return NGX_OK;
     }
+
+    ngx_loom_offload_held_init();
 
     w->sema_new = (ngx_loom_sema_new_pt)
                   dlsym(RTLD_DEFAULT, "ngx_http_lua_ffi_sema_new");
@@ -843,51 +161,9 @@ ngx_loom_offload_worker_init(u_char *err, size_t *errlen)
         (void) dlopen(info.dli_fname, RTLD_NOW | RTLD_NOLOAD | RTLD_NODELETE);
     }
 
-    fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-    if (fd == -1) {
-        *errlen = ngx_snprintf(err, *errlen, "eventfd() failed: %d",
-                               ngx_errno)
-                  - err;
+    if (ngx_loom_offload_channel_open(err, errlen) != NGX_OK) {
         return NGX_ERROR;
     }
-
-    c = ngx_get_connection(fd, ngx_cycle->log);
-    if (c == NULL) {
-        close(fd);
-        *errlen = ngx_snprintf(err, *errlen, "no free connection") - err;
-        return NGX_ERROR;
-    }
-
-    c->read->handler = ngx_loom_offload_read_handler;
-    c->read->log = ngx_cycle->log;
-    c->write->log = ngx_cycle->log;
-
-    /* nginx calls the read handler with c->close set at graceful exit */
-    c->idle = 1;
-
-    /*
-     * edge-triggered where the event method can (epoll): every write is a
-     * new event, so the counter needs reading only now and then, as
-     * nginx's own notification eventfd does
-     */
-    w->edge = (ngx_event_flags & NGX_USE_CLEAR_EVENT) ? 1 : 0;
-
-    if (ngx_add_event(c->read, NGX_READ_EVENT,
-                      w->edge ? NGX_CLEAR_EVENT : NGX_LEVEL_EVENT)
-        != NGX_OK)
-    {
-        ngx_free_connection(c);
-        close(fd);
-        *errlen = ngx_snprintf(err, *errlen, "failed to add the eventfd")
-                  - err;
-        return NGX_ERROR;
-    }
-
-    w->conn = c;
-
-    pthread_mutex_lock(&w->lock);
-    w->fd = fd;
-    pthread_mutex_unlock(&w->lock);
 
     ngx_queue_init(&w->queues);
 
@@ -895,288 +171,17 @@ ngx_loom_offload_worker_init(u_char *err, size_t *errlen)
     w->gc_event.log = ngx_cycle->log;
     w->gc_event.data = w;
 
+    w->trim_ev.handler = ngx_loom_offload_trim_handler;
+    w->trim_ev.log = ngx_cycle->log;
+    w->trim_ev.data = w;
+    w->trim_ev.cancelable = 1;
+
     w->exiting = ngx_exiting;
     w->inited = 1;
 
+    ngx_loom_offload_sigchld_wrap();
+
     return NGX_OK;
-}
-
-
-static void
-ngx_loom_offload_read_handler(ngx_event_t *rev)
-{
-    uint64_t                    v;
-    ngx_connection_t           *c;
-    loom_offload_task_t        *t, *next, *list;
-    ngx_loom_offload_worker_t  *w;
-
-    w = &ngx_loom_offload_w;
-    c = rev->data;
-
-    if (c->close) {
-        /* graceful shutdown began, or the shutdown timer fired */
-        c->close = 0;
-        c->idle = 0;
-
-        ngx_loom_offload_exiting(c->error);
-        c->error = 0;
-    }
-
-    if ((!w->edge || (++w->wakeups & 0xffff) == 0)
-        && read(w->fd, &v, sizeof(uint64_t)) == -1
-        && ngx_errno != NGX_EAGAIN)
-    {
-        ngx_log_error(NGX_LOG_ALERT, rev->log, ngx_errno,
-                      "[loom.offload] eventfd read() failed");
-    }
-
-    /* the next answer published after this writes the eventfd again */
-    list = __atomic_exchange_n(&w->done, NULL, __ATOMIC_ACQUIRE);
-
-    /* the list is newest first: reverse it */
-    t = NULL;
-
-    while (list) {
-        next = list->next;
-        list->next = t;
-        t = list;
-        list = next;
-    }
-
-    while (t) {
-        next = t->next;
-
-        if (t->control) {
-            ngx_loom_offload_started(t->queue);
-
-        } else {
-            ngx_loom_offload_done(t);
-        }
-
-        t = next;
-    }
-}
-
-
-static void
-ngx_loom_offload_gc_handler(ngx_event_t *ev)
-{
-    loom_offload_task_t        *t, *next;
-    ngx_loom_offload_worker_t  *w;
-
-    w = ev->data;
-
-    t = w->garbage;
-    w->garbage = NULL;
-
-    while (t) {
-        next = t->next;
-        ngx_loom_offload_task_free(t);
-        t = next;
-    }
-}
-
-
-/* an answer reached the main thread */
-static void
-ngx_loom_offload_done(loom_offload_task_t *t)
-{
-    uint64_t               us;
-    loom_offload_queue_t  *q;
-
-    q = t->queue;
-
-    t->where = LOOM_WHERE_NONE;
-    t->rt = 0;
-    q->answered++;
-
-    /*
-     * what the event loop would have had to poll for: how long a thread
-     * took to pick the task up (one awake, or one woken) and how long it
-     * took to answer. Samples are capped, so that one preempted thread
-     * does not turn polling off for long
-     */
-    if (t->take_ns) {
-        us = (t->take_ns - t->start_ns) / 1000;
-        q->wait_sum += us;
-        q->wait_hist[ngx_loom_offload_hist_index(us)]++;
-
-        ngx_loom_offload_avg(&q->ewma_ns, t->answer_ns - t->take_ns,
-                             2 * q->poll_ns);
-        ngx_loom_offload_avg((t->kick || t->woke) ? &q->wake_ns
-                                                  : &q->pick_ns,
-                             t->take_ns - t->start_ns, 2 * q->poll_ns);
-    }
-
-    if (t->lua && !t->resolved) {
-
-        if (t->status == LOOM_OFFLOAD_OK) {
-            ngx_loom_offload_resolve(t, LOOM_RESULT_OK);
-
-        } else if (t->status == LOOM_STATUS_NOMEM) {
-            ngx_loom_offload_resolve(t, LOOM_RESULT_NOMEM);
-
-        } else {
-            ngx_loom_offload_resolve(t, LOOM_RESULT_ERROR);
-        }
-
-    } else {
-        q->late++;
-    }
-
-    if (!t->lua) {
-        ngx_loom_offload_task_free(t);
-    }
-}
-
-
-static void
-ngx_loom_offload_avg(uint64_t *avg, int64_t sample, uint64_t cap)
-{
-    uint64_t  v;
-
-    v = sample > 0 ? (uint64_t) sample : 0;
-
-    if (v > cap) {
-        v = cap;
-    }
-
-    *avg = *avg - *avg / 8 + v / 8;
-}
-
-
-static void
-ngx_loom_offload_resolve(loom_offload_task_t *t, int result)
-{
-    uint64_t               us;
-    loom_offload_queue_t  *q;
-
-    q = t->queue;
-
-    t->result = result;
-    t->resolved = 1;
-
-    switch (result) {
-
-    case LOOM_RESULT_OK:
-        q->completed++;
-        break;
-
-    case LOOM_RESULT_CLOSED:
-        q->closed_calls++;
-        break;
-
-    default:
-        q->errors++;
-        break;
-    }
-
-    if (result != LOOM_RESULT_CLOSED) {
-        us = (ngx_loom_offload_now_ns() - t->start_ns) / 1000;
-
-        q->lat_n++;
-        q->lat_sum += us;
-
-        if (us > q->lat_max) {
-            q->lat_max = us;
-        }
-
-        q->hist[ngx_loom_offload_hist_index(us)]++;
-    }
-
-    if (t->sem) {
-        (void) ngx_loom_offload_w.sema_post(t->sem, 1);
-    }
-}
-
-
-static void
-ngx_loom_offload_task_free(loom_offload_task_t *t)
-{
-    ngx_queue_remove(&t->live);
-
-    if (t->in_request) {
-        ngx_queue_remove(&t->rlink);
-    }
-
-    if (t->sem) {
-        ngx_loom_offload_w.sema_gc(t->sem);
-    }
-
-    if (t->rsp_heap) {
-        free(t->rsp);
-    }
-
-    free(t);
-}
-
-
-/* takes a task off its queue if no runtime thread has taken it yet */
-static void
-ngx_loom_offload_unpend(loom_offload_task_t *t)
-{
-    loom_offload_queue_t  *q;
-
-    q = t->queue;
-
-    if (!t->rt) {
-        return;
-    }
-
-    pthread_mutex_lock(&q->mtx);
-
-    if (t->where == LOOM_WHERE_PENDING) {
-        ngx_queue_remove(&t->pending);
-        t->where = LOOM_WHERE_NONE;
-        ngx_loom_store(&q->npending, q->npending - 1);
-        t->rt = 0;
-    }
-
-    pthread_mutex_unlock(&q->mtx);
-}
-
-
-static void
-ngx_loom_offload_request_cleanup(void *data)
-{
-    ngx_loom_offload_rctx_t  *rctx = data;
-
-    ngx_queue_t                *x;
-    loom_offload_task_t        *t;
-    ngx_loom_offload_worker_t  *w;
-
-    w = &ngx_loom_offload_w;
-
-    while (!ngx_queue_empty(&rctx->tasks)) {
-        x = ngx_queue_head(&rctx->tasks);
-        ngx_queue_remove(x);
-
-        t = ngx_queue_data(x, loom_offload_task_t, rlink);
-        t->in_request = 0;
-        t->lua = 0;
-
-        if (!t->resolved) {
-            t->queue->aborted++;
-        }
-
-        ngx_loom_store(&t->cancelled, 1);
-        ngx_loom_offload_unpend(t);
-
-        if (!t->rt) {
-            t->garbage = 1;
-
-            /*
-             * the coroutine may still sit in the semaphore's wait queue
-             * until lua-nginx-module's own cleanup runs: free later
-             */
-            t->next = w->garbage;
-            w->garbage = t;
-
-            if (!w->gc_event.posted) {
-                ngx_post_event(&w->gc_event, &ngx_posted_events);
-            }
-        }
-    }
 }
 
 
@@ -1279,7 +284,7 @@ done:
 
 
 /* the start-up result reached the main thread */
-static void
+void
 ngx_loom_offload_started(loom_offload_queue_t *q)
 {
     if (q->start_rc == 0) {
@@ -1331,6 +336,10 @@ ngx_loom_offload_close(loom_offload_queue_t *q)
 
     if (q->wake_ev.timer_set) {
         ngx_del_timer(&q->wake_ev);
+    }
+
+    if (q->reclaim_ev.timer_set) {
+        ngx_del_timer(&q->reclaim_ev);
     }
 
     if (q->kick_ev.posted) {
@@ -1399,43 +408,7 @@ ngx_loom_offload_grace_handler(ngx_event_t *ev)
 }
 
 
-/*
- * Wakes sleeping threads for queued tasks (a posted event at the end of
- * the event loop iteration that queued them, and a timer while tasks are
- * left to busy threads, in case those are not back as soon as expected)
- */
-static void
-ngx_loom_offload_kick_handler(ngx_event_t *ev)
-{
-    uint64_t               now;
-    ngx_uint_t             n, left;
-    loom_offload_queue_t  *q;
-
-    q = ev->data;
-    now = ngx_loom_offload_now_ns();
-
-    pthread_mutex_lock(&q->mtx);
-
-    n = ngx_loom_offload_wakes(q, now);
-    q->waking += n;
-
-    while (n--) {
-        pthread_cond_signal(&q->cond);
-    }
-
-    left = !q->closed
-           && q->sleepers > q->waking
-           && q->npending > q->spinners + q->waking;
-
-    pthread_mutex_unlock(&q->mtx);
-
-    if (left && !q->wake_ev.timer_set) {
-        ngx_add_timer(&q->wake_ev, LOOM_WAKE_CHECK_MS);
-    }
-}
-
-
-static void
+void
 ngx_loom_offload_exiting(ngx_uint_t now)
 {
     ngx_queue_t                *x;
@@ -1593,59 +566,7 @@ ngx_loom_offload_exit_process(ngx_cycle_t *cycle)
 
     /* late answers are dropped from now on; the memory goes with exit() */
 
-    pthread_mutex_lock(&w->lock);
-
-    if (w->conn) {
-        ngx_close_connection(w->conn);
-        w->conn = NULL;
-    }
-
-    w->fd = -1;
-
-    pthread_mutex_unlock(&w->lock);
-}
-
-/* }}} */
-
-
-/* {{{ latency histogram */
-
-static ngx_uint_t
-ngx_loom_offload_hist_index(uint64_t us)
-{
-    ngx_uint_t  e, i;
-
-    if (us < LOOM_HIST_SUB) {
-        return (ngx_uint_t) us;
-    }
-
-    e = 63 - __builtin_clzll(us);           /* e >= LOOM_HIST_SUB_BITS */
-
-    i = LOOM_HIST_SUB * (e - LOOM_HIST_SUB_BITS + 1)
-        + ((us >> (e - LOOM_HIST_SUB_BITS)) & (LOOM_HIST_SUB - 1));
-
-    return i < LOOM_HIST_BUCKETS ? i : LOOM_HIST_BUCKETS - 1;
-}
-
-
-/* the middle of bucket i, in microseconds */
-static double
-ngx_loom_offload_hist_value(ngx_uint_t i)
-{
-    ngx_uint_t  e, sub;
-    double      lo, width;
-
-    if (i < LOOM_HIST_SUB) {
-        return (double) i;
-    }
-
-    e = i / LOOM_HIST_SUB + LOOM_HIST_SUB_BITS - 1;
-    sub = i % LOOM_HIST_SUB;
-
-    width = (double) ((uint64_t) 1 << (e - LOOM_HIST_SUB_BITS));
-    lo = (double) ((uint64_t) 1 << e) + sub * width;
-
-    return lo + width / 2;
+    ngx_loom_offload_channel_close();
 }
 
 /* }}} */
@@ -1656,8 +577,8 @@ ngx_loom_offload_hist_value(ngx_uint_t i)
 int
 ngx_loom_offload_ffi_load(const char *path, const char *config,
     size_t config_len, int threads, int bound, int grace_ms, int spin_us,
-    int poll_us, int global, loom_offload_queue_t **out, u_char *err,
-    size_t *errlen)
+    int poll_us, int reclaim_ms, int global, loom_offload_queue_t **out,
+    u_char *err, size_t *errlen)
 {
     size_t                      len;
     pthread_condattr_t          attr;
@@ -1734,10 +655,12 @@ ngx_loom_offload_ffi_load(const char *path, const char *config,
 
     ngx_queue_init(&q->pending);
     ngx_queue_init(&q->live);
+    ngx_queue_init(&q->overdue);
 
     q->bound = bound > 0 ? (ngx_uint_t) bound : 1;
     q->threads = threads > 0 ? (unsigned) threads : 1;
     q->grace = grace_ms > 0 ? (ngx_msec_t) grace_ms : 0;
+    q->reclaim = reclaim_ms > 0 ? (ngx_msec_t) reclaim_ms : 0;
     q->spin_ns = spin_us > 0 ? (uint64_t) spin_us * 1000 : 0;
     q->spin_cur_ns = q->spin_ns;
     q->poll_ns = poll_us > 0 ? (uint64_t) poll_us * 1000 : 0;
@@ -1760,6 +683,11 @@ ngx_loom_offload_ffi_load(const char *path, const char *config,
     q->wake_ev.log = ngx_cycle->log;
     q->wake_ev.data = q;
     q->wake_ev.cancelable = 1;
+
+    q->reclaim_ev.handler = ngx_loom_offload_reclaim_handler;
+    q->reclaim_ev.log = ngx_cycle->log;
+    q->reclaim_ev.data = q;
+    q->reclaim_ev.cancelable = 1;
 
     if (ngx_loom_offload_spawn(ngx_loom_offload_start_thread, q) != 0) {
         *errlen = ngx_snprintf(err, *errlen,
@@ -1803,316 +731,6 @@ nomem:
 
 
 int
-ngx_loom_offload_ffi_submit(ngx_http_request_t *r, loom_offload_queue_t *q,
-    const u_char *data, size_t len, loom_offload_task_t **out, void **sem)
-{
-    char                     *errmsg;
-    size_t                    cap;
-    uint64_t                  now;
-    ngx_http_cleanup_t       *cln;
-    loom_offload_task_t      *t;
-    ngx_loom_offload_rctx_t  *rctx;
-
-    if (ngx_loom_load(&q->closed)) {
-        return LOOM_FFI_DECLINED;
-    }
-
-    if (ngx_loom_load(&q->npending) >= q->bound) {
-        q->rejected++;
-        return LOOM_FFI_BUSY;
-    }
-
-    rctx = ngx_http_get_module_ctx(r->main, ngx_loom_offload_module);
-
-    if (rctx == NULL) {
-        rctx = ngx_palloc(r->main->pool, sizeof(ngx_loom_offload_rctx_t));
-        if (rctx == NULL) {
-            return LOOM_FFI_ERROR;
-        }
-
-        cln = ngx_http_cleanup_add(r->main, 0);
-        if (cln == NULL) {
-            return LOOM_FFI_ERROR;
-        }
-
-        ngx_queue_init(&rctx->tasks);
-
-        cln->handler = ngx_loom_offload_request_cleanup;
-        cln->data = rctx;
-
-        ngx_http_set_ctx(r->main, rctx, ngx_loom_offload_module);
-    }
-
-    cap = len + 1;
-
-    if (cap < LOOM_MIN_INLINE_RSP) {
-        cap = LOOM_MIN_INLINE_RSP;
-    }
-
-    t = malloc(offsetof(loom_offload_task_t, data) + cap);
-    if (t == NULL) {
-        return LOOM_FFI_ERROR;
-    }
-
-    ngx_memzero(t, offsetof(loom_offload_task_t, data));
-
-    if (ngx_loom_offload_w.sema_new(&t->sem, 0, &errmsg) != NGX_OK) {
-        free(t);
-        return LOOM_FFI_ERROR;
-    }
-
-    if (len) {
-        ngx_memcpy(t->data, data, len);
-    }
-
-    t->data[len] = '\0';
-    now = ngx_loom_offload_now_ns();
-
-    t->req_len = len;
-    t->cap = cap;
-    t->queue = q;
-    t->start_ns = now;
-    t->lua = 1;
-    t->rt = 1;
-    t->in_request = 1;
-    t->where = LOOM_WHERE_PENDING;
-
-    ngx_queue_insert_tail(&rctx->tasks, &t->rlink);
-    ngx_queue_insert_tail(&q->live, &t->live);
-
-    pthread_mutex_lock(&q->mtx);
-
-    ngx_queue_insert_tail(&q->pending, &t->pending);
-    ngx_loom_store(&q->npending, q->npending + 1);
-
-    /*
-     * a spinning thread will see the task, and so will threads already
-     * signalled. For tasks nobody is coming for, sleepers are woken once
-     * per event loop iteration (a posted event), not once per task: the
-     * calls a batch of events makes cost one wake-up, and the mutex is
-     * not fought over while they are queued
-     */
-    if (q->sleepers > q->waking
-        && q->npending > q->spinners + q->waking)
-    {
-        if (ngx_loom_offload_may_poll(q, q->wake_ns)) {
-            /*
-             * an idle runtime, fast lately: the event loop is about to
-             * poll for the answer, so the thread is needed now
-             */
-            q->waking++;
-            t->woke = 1;
-            t->poll = 1;
-            pthread_cond_signal(&q->cond);
-
-        } else {
-            t->kick = 1;
-        }
-
-    } else {
-        /* decided here: a spinning thread may take the task at once */
-        t->poll = ngx_loom_offload_may_poll(q, q->pick_ns);
-    }
-
-    pthread_mutex_unlock(&q->mtx);
-
-    if (t->kick && !q->kick_ev.posted) {
-        ngx_post_event(&q->kick_ev, &ngx_posted_events);
-    }
-
-    q->submitted++;
-
-    if (q->npending > q->peak_queued) {
-        q->peak_queued = q->npending;
-    }
-
-    *out = t;
-    *sem = t->sem;
-
-    return LOOM_FFI_OK;
-}
-
-
-/*
- * Under the queue mutex, right after a task was queued: the runtime is
- * idle but for it, and a thread is expected to pick it up (pick_ns: one
- * awake, or one woken) and answer within poll_us, going by recent tasks
- */
-static ngx_uint_t
-ngx_loom_offload_may_poll(loom_offload_queue_t *q, uint64_t pick_ns)
-{
-    if (q->poll_ns == 0
-        || q->ewma_ns + pick_ns >= q->poll_ns
-        || q->state != LOOM_OFFLOAD_READY
-        || q->npending != 1
-        || q->taken != q->answered)
-    {
-        return 0;
-    }
-
-    if (q->poll_skip) {
-        q->poll_skip--;
-        return 0;
-    }
-
-    return 1;
-}
-
-
-/*
- * Right after a submission: when the runtime was idle and recent tasks
- * were picked up and answered within poll_us (decided at submission, see
- * ngx_loom_offload_may_poll), the event loop polls for the answer for up
- * to poll_us instead of going to sleep in epoll_wait() and being woken up
- * by the eventfd from another CPU. Returns 1 when the answer came (the
- * task is resolved; read it with ffi_result), else 0: wait on the
- * semaphore as usual.
- */
-int
-ngx_loom_offload_ffi_poll(loom_offload_task_t *t)
-{
-    int                    polling;
-    void                  *sem;
-    uint64_t               deadline;
-    ngx_uint_t             n;
-    loom_offload_queue_t  *q;
-
-    q = t->queue;
-
-    if (!t->poll) {
-        return 0;
-    }
-
-    q->polled++;
-
-    ngx_loom_store(&t->fast, LOOM_FAST_POLLING);
-
-    deadline = ngx_loom_offload_now_ns() + q->poll_ns;
-
-    for (n = 1; ngx_loom_load(&t->fast) == LOOM_FAST_POLLING; n++) {
-        ngx_loom_cpu_relax();
-
-        if ((n & 15) == 0 && ngx_loom_offload_now_ns() >= deadline) {
-            polling = LOOM_FAST_POLLING;
-
-            if (__atomic_compare_exchange_n(&t->fast, &polling,
-                                            LOOM_FAST_NONE, 0,
-                                            __ATOMIC_ACQ_REL,
-                                            __ATOMIC_ACQUIRE))
-            {
-                /*
-                 * too slow: the answer's times, when it comes, go into
-                 * the averages that decide whether to poll next time.
-                 * Polls that keep missing while answers that are not
-                 * polled for come fast mean the poll itself holds the
-                 * CPU the runtime thread needs (a loaded machine): back
-                 * off, doubling the number of calls not polled for
-                 */
-                q->poll_backoff = q->poll_backoff
-                                  ? ngx_min(2 * q->poll_backoff,
-                                            LOOM_POLL_BACKOFF_MAX)
-                                  : 1;
-                q->poll_skip = q->poll_backoff;
-
-                return 0;
-            }
-
-            break;
-        }
-    }
-
-    /* answered in our hands: complete it here, nobody waits on sem */
-
-    q->polled_hits++;
-    q->poll_backoff = 0;
-
-    sem = t->sem;
-    t->sem = NULL;
-    ngx_loom_offload_done(t);
-    t->sem = sem;
-
-    return 1;
-}
-
-
-int
-ngx_loom_offload_ffi_result(loom_offload_task_t *t, u_char **data,
-    size_t *len)
-{
-    *data = t->rsp;
-    *len = t->rsp_len;
-
-    if (t->result == LOOM_RESULT_CLOSED || t->result == LOOM_RESULT_NOMEM) {
-        *data = NULL;
-        *len = 0;
-    }
-
-    return t->result;
-}
-
-
-/* Lua is done with the task (it has read the result) */
-void
-ngx_loom_offload_ffi_release(loom_offload_task_t *t)
-{
-    if (t->in_request) {
-        ngx_queue_remove(&t->rlink);
-        t->in_request = 0;
-    }
-
-    t->lua = 0;
-
-    if (!t->rt) {
-        ngx_loom_offload_task_free(t);
-
-    } else if (t->sem) {
-        /* resolved as "closed" while a runtime thread still holds it */
-        ngx_loom_offload_w.sema_gc(t->sem);
-        t->sem = NULL;
-    }
-}
-
-
-/*
- * The wait timed out. Returns 1 when the result arrived anyway (in the
- * same event loop iteration): the caller then reads it as usual.
- * Otherwise marks the task cancelled and lets go of it; returns 0.
- */
-int
-ngx_loom_offload_ffi_cancel(loom_offload_task_t *t)
-{
-    if (t->resolved) {
-        return 1;
-    }
-
-    t->queue->timeouts++;
-
-    ngx_loom_store(&t->cancelled, 1);
-
-    if (t->in_request) {
-        ngx_queue_remove(&t->rlink);
-        t->in_request = 0;
-    }
-
-    t->lua = 0;
-
-    /* the coroutine left the wait queue when it timed out */
-    if (t->sem) {
-        ngx_loom_offload_w.sema_gc(t->sem);
-        t->sem = NULL;
-    }
-
-    ngx_loom_offload_unpend(t);
-
-    if (!t->rt) {
-        ngx_loom_offload_task_free(t);
-    }
-
-    return 0;
-}
-
-
-int
 ngx_loom_offload_ffi_state(loom_offload_queue_t *q, char **err)
 {
     *err = q->err;
@@ -2129,119 +747,6 @@ ngx_loom_offload_ffi_close(loom_offload_queue_t *q)
     return LOOM_FFI_OK;
 }
 
-
-void
-ngx_loom_offload_ffi_stats(loom_offload_queue_t *q,
-    ngx_loom_offload_stats_t *st)
-{
-    double      *pct[4], want[4];
-    uint64_t     seen;
-    ngx_uint_t   i, k;
-
-    st->state = q->state;
-    st->threads = q->threads;
-    st->queued = (double) ngx_loom_load(&q->npending);
-    st->running = (double) (ngx_loom_load(&q->taken) - q->answered);
-    st->submitted = (double) q->submitted;
-    st->completed = (double) q->completed;
-    st->errors = (double) q->errors;
-    st->timeouts = (double) q->timeouts;
-    st->rejected = (double) q->rejected;
-    st->closed = (double) q->closed_calls;
-    st->aborted = (double) q->aborted;
-    st->late = (double) q->late;
-    st->lat_n = (double) q->lat_n;
-    st->lat_mean = q->lat_n ? (double) q->lat_sum / q->lat_n : 0;
-    st->lat_max = (double) q->lat_max;
-    st->polled = (double) q->polled;
-    st->polled_hits = (double) q->polled_hits;
-    st->peak_queued = (double) q->peak_queued;
-
-    pct[0] = &st->p50;
-    pct[1] = &st->p90;
-    pct[2] = &st->p99;
-    pct[3] = &st->p999;
-
-    want[0] = 0.50;
-    want[1] = 0.90;
-    want[2] = 0.99;
-    want[3] = 0.999;
-
-    for (k = 0; k < 4; k++) {
-        *pct[k] = 0;
-    }
-
-    if (q->lat_n == 0) {
-        return;
-    }
-
-    seen = 0;
-    k = 0;
-
-    for (i = 0; i < LOOM_HIST_BUCKETS && k < 4; i++) {
-        seen += q->hist[i];
-
-        while (k < 4 && (double) seen >= want[k] * (double) q->lat_n) {
-            *pct[k] = ngx_loom_offload_hist_value(i);
-
-            if (*pct[k] > st->lat_max) {
-                *pct[k] = st->lat_max;
-            }
-
-            k++;
-        }
-    }
-}
-
 /* }}} */
-
-/* {{{ histograms for resty.loom.status */
-
-/*
- * the call-time (which 0) or queue-wait (which 1) histogram as n
- * cumulative counts at the upper bounds le[] (seconds, increasing), each
- * bucket counted at the first bound at or above its middle; out[n] is the
- * count, out[n + 1] the sum in seconds. Main thread.
- */
-void
-ngx_loom_offload_ffi_histogram(loom_offload_queue_t *q, int which,
-    const double *le, int n, double *out)
-{
-    int        j;
-    double     mid;
-    uint64_t  *h, total;
-    ngx_uint_t i;
-
-    h = which ? q->wait_hist : q->hist;
-
-    for (j = 0; j < n; j++) {
-        out[j] = 0;
-    }
-
-    total = 0;
-
-    for (i = 0; i < LOOM_HIST_BUCKETS; i++) {
-        if (h[i] == 0) {
-            continue;
-        }
-
-        total += h[i];
-        mid = ngx_loom_offload_hist_value(i) / 1e6;
-
-        for (j = 0; j < n && le[j] < mid; j++) {
-            /* void */
-        }
-
-        for ( /* void */ ; j < n; j++) {
-            out[j] += (double) h[i];
-        }
-    }
-
-    out[n] = (double) total;
-    out[n + 1] = (double) (which ? q->wait_sum : q->lat_sum) / 1e6;
-}
-
-/* }}} */
-
 
 /* vi:set ft=c ts=4 sw=4 et fdm=marker: */

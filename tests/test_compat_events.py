@@ -226,7 +226,8 @@ def test_broadcast_mix_of_current_and_all_across_workers(nginx):
 
 def test_new_rejects_bad_options_like_the_peer(nginx):
     """events.t 5: new() raises, with the peer's text after `file:line: `,
-    for each wrong option."""
+    for each wrong option; NaN, infinities and a fractional broker_id
+    (which the peer takes) are refused as well."""
     server = r"""
     location = /test { content_by_lua_block {
         local ev = require("resty.loom.compat.events")
@@ -243,6 +244,16 @@ def test_new_rejects_bad_options_like_the_peer(nginx):
             {listening = "unix:x", max_payload_len = 2^24 + 1},
             {listening = "unix:x", enable_privileged_agent = "invalid"},
             {listening = "unix:x", testing = "yes"},
+            -- taken by the peer, refused here (NaN turned the bus's
+            -- unique window off, inf suppressed a unique target forever)
+            {broker_id = 0/0}, {broker_id = 0.5},
+            {listening = "unix:x", unique_timeout = 0/0},
+            {listening = "unix:x", unique_timeout = 1/0},
+            {listening = "unix:x", max_queue_len = 0/0},
+            {listening = "unix:x", max_queue_len = 1/0},
+            {listening = "unix:x", max_payload_len = 0/0},
+            -- the bus's own check, at the caller's line too
+            {listening = "unix:x"},
         }) do
             local ok, err = pcall(function() ev.new(opts) end)
             assert(not ok)
@@ -273,6 +284,14 @@ def test_new_rejects_bad_options_like_the_peer(nginx):
         '"max_payload_len" option is invalid',
         '"enable_privileged_agent" option must be a boolean',
         '"testing" option must be a boolean',
+        '"broker_id" option is invalid',
+        '"broker_id" option is invalid',
+        '"unique_timeout" must be greater than 0',
+        '"unique_timeout" option must be a finite number',
+        '"max_queue_len" option is invalid',
+        '"max_queue_len" option must be a finite number',
+        '"max_payload_len" option is invalid',
+        "opts.socket must be an absolute path shorter than 108 bytes",
         'Expected a table, got string',
     ]
 
@@ -293,7 +312,8 @@ def test_publish_and_subscribe_raise_on_bad_arguments(nginx):
             function() ev:unsubscribe(1) end,
         }) do
             local ok, err = pcall(f)
-            ngx.say(ok, " ", (err:gsub("^[^ ]+:%d+: ", "")))
+            -- raised at the caller's line, as the peer's asserts
+            ngx.say(ok, " ", (err:gsub("^content_by_lua%(nginx%.conf:%d+%):%d+: ", "")))
         end
     } }
     """
@@ -783,3 +803,100 @@ def test_publish_before_init_worker_bounded_by_max_queue_len(nginx):
         "refused 3 failed to publish event: queue overflow",
         "h source=s, event=early1, who=0, by=0, data=x",
         "h source=s, event=early2, who=0, by=0, data=x"]
+
+
+def test_resty_events_compat_poll_before_configure(nginx):
+    """events-compat: poll() answers "done" before configure(), as the
+    peer's does (it raised "attempt to index a nil value")."""
+    server = """
+    location = /test { content_by_lua_block {
+        ngx.say(require("resty.loom.compat.events_compat").poll())
+    } }
+    """
+    n = nginx(workers=1, server=server)
+    assert n.get("/test").text == "done\n"
+
+
+def test_broker_killed_while_handlers_sleep_no_deadlock(nginx):
+    """deadlock.t: handlers in workers 0 and 1 hold a semaphore across a
+    sleep when the broker is killed (-9, by worker 2's handler; the peer
+    uses the privileged agent); they are not cut short: the next event's
+    handlers get the semaphore, none logs [crit]."""
+    after = """
+        local id = ngx.worker.id()
+        local sema = require("ngx.semaphore").new(1)
+        if id == 3 then
+            ngx.shared.pids:set("broker", ngx.worker.pid())
+        end
+        local function take(what)
+            return function()
+                ngx.sleep(0)
+                ngx.log(ngx.NOTICE, "compat-handler: ", id, " ", what,
+                        " handler;")
+                local ok, err = sema:wait(0)
+                if not ok then
+                    ngx.log(ngx.CRIT, id, " ", what,
+                            " did not get the semaphore: ", err)
+                    return
+                end
+                ngx.log(ngx.NOTICE, "compat-handler: ", id, " ", what,
+                        " got the semaphore;")
+                if what == "first" then
+                    ngx.sleep(2)
+                end
+                sema:post()
+            end
+        end
+        if id == 0 or id == 1 then
+            ev:subscribe("content_by_lua", "first", take("first"))
+            ev:subscribe("content_by_lua", "third", take("third"))
+        end
+        if id == 2 then
+            ev:subscribe("content_by_lua", "second", function()
+                ngx.log(ngx.NOTICE, "compat-handler: killer;")
+                ngx.timer.at(0, function()
+                    os.execute("kill -9 " .. ngx.shared.pids:get("broker"))
+                end)
+            end)
+        end
+    """
+    server = """
+    location = /test { content_by_lua_block {
+        local ev = _G.ev
+        for _, e in ipairs({ "first", "second", "third" }) do
+            assert(ev:publish("all", "content_by_lua", e))
+            ngx.sleep(0)
+        end
+        ngx.say("ok")
+    } }
+    """
+    n = start(nginx, 4, http="lua_shared_dict pids 1m;\n" +
+              conf("broker_id = 3", after_init=after), server=server)
+    n.allow_log(r"exited on signal 9")
+    assert n.get("/test").text == "ok\n"
+    n.wait_log(r"exited on signal 9", timeout=10)
+    wait_lines(n, 9, timeout=15)
+    time.sleep(0.5)
+    got = handler_lines(n)
+    # each handler once: nothing lost or run twice across the broker's end
+    assert sorted(got) == sorted(
+        ["%s %s" % (w, what) for w in "01" for what in (
+            "first handler", "first got the semaphore", "third handler",
+            "third got the semaphore")] + ["killer"]), got
+    assert "[crit]" not in n.error_log()
+
+
+def test_unknown_option_warned_not_refused(nginx):
+    """The peer ignores an unknown option; so does new() (code written for
+    it still starts), with a warning naming it, so that a misspelt one is
+    seen."""
+    n = start(nginx, 1, http=conf("unique_timout = 1", after_init=SUBSCRIBE),
+              server="""
+    location = /test { content_by_lua_block {
+        ngx.say(_G.ev:publish("all", "s", "e", "x")) } }
+    """)
+    assert n.get("/test").text == "true\n"
+    assert wait_lines(n, 1) == [
+        "h source=s, event=e, who=0, by=0, data=x"]
+    n.wait_log(r"\[warn\][^\n]*\[loom\.compat\] resty\.events: "
+               r"opts\.unique_timout is not an option \(ignored\)")

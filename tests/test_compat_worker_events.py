@@ -363,6 +363,16 @@ CONFIGURE_CASES = [
      'optional "shm_retries" option must be a number'),
     ('{ shm = "worker_events", shm_retries = -1 }',
      '"shm_retries" must be 0 or greater'),
+    # taken by the peer, refused here: a timeout of NaN or inf made the
+    # first claim of a unique key last for ever
+    ('{ shm = "worker_events", timeout = 0/0 }',
+     '"timeout" must be greater than 0'),
+    ('{ shm = "worker_events", timeout = 1/0 }',
+     '"timeout" must be a finite number'),
+    ('{ shm = "worker_events", interval = 0/0 }',
+     '"interval" must be greater than or equal to 0'),
+    ('{ shm = "worker_events", wait_max = 1/0 }',
+     '"wait_max" must be a finite number'),
 ]
 
 
@@ -514,3 +524,59 @@ def test_many_large_posts_complete_and_arrive(nginx):
     assert sorted(re.search(r"by=(\d)", l).group(1) for l in got) == \
         ["0"] * 100 + ["1"] * 100
     assert all(l.endswith("data=#512000") for l in got)
+
+
+def test_event_list_refuses_unknown_names(nginx):
+    """README's event_list(): the names given and _source; any other name
+    raises "event '<name>' is an unknown event" at the caller's line; the
+    library's own list holds started and stopping."""
+    server = r"""
+    location = /t { content_by_lua_block {
+        local we = require "resty.loom.compat.worker_events"
+        local list = we.event_list("my-source", "created", "deleted")
+        ngx.say(list._source, " ", list.created, " ", list.deleted)
+        local ok, err = pcall(function() return list.udpated end)
+        ngx.say(ok, " ", err)
+        ngx.say(we.events._source, " ", we.events.started, " ",
+                we.events.stopping)
+    } }
+    """
+    n = nginx(workers=1, http=conf(register=False), server=server)
+    lines = n.get("/t").text.splitlines()
+    assert lines[0] == "my-source created deleted"
+    assert re.match(r"false content_by_lua\(nginx\.conf:\d+\):\d+: "
+                    r"event 'udpated' is an unknown event$", lines[1]), lines
+    assert lines[2] == "resty-worker-events started stopping"
+
+
+def test_callback_error_table_logged_as_json_with_traceback(nginx):
+    """A handler raising a table: the peer's line shows it as JSON with the
+    traceback (it was "table: 0x..." and no traceback)."""
+    server = """
+    location = /t { content_by_lua_block {
+        local we = require "resty.loom.compat.worker_events"
+        local function fails() error({ code = 7 }) end
+        we.register(function() fails() end, "content_by_lua")
+        we.post("content_by_lua", "table_error")
+        ngx.sleep(0.2)
+        ngx.say("ok")
+    } }
+    """
+    n = nginx(workers=1, http=conf(register=False), server=server)
+    n.allow_log(r"event callback failed")
+    assert n.get("/t").text == "ok\n"
+    line = n.wait_log(r"event callback failed; source=content_by_lua, "
+                      r"event=table_error, pid=\d+ error='[^\n]*")[0]
+    assert 'error=\'{"code":7}' in line, line
+    assert "table: 0x" not in line
+    assert "in function 'fails'" in n.error_log()
+
+
+def test_unknown_option_warned_not_refused(nginx):
+    """configure() takes an option the peer does not know, as the peer
+    does, and warns naming it."""
+    n = nginx(workers=1, http=conf("interval = 0.1, timout = 5"),
+              server="")
+    assert started().match(settle(n, 1)[0])
+    n.wait_log(r"\[warn\][^\n]*\[loom\.compat\] resty\.worker\.events: "
+               r"opts\.timout is not an option \(ignored\)")

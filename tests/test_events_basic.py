@@ -272,6 +272,12 @@ VALIDATION = """
               max_queue_bytes = 66560 },
             { socket = "/tmp/x.sock", bogus = 1 },
             "not a table",
+            { socket = "/tmp/x.sock", max_backlog = 0 },
+            { socket = "/tmp/x.sock", max_backlog = 1.5 },
+            { socket = "/tmp/x.sock", max_queue = 1e300 },
+            { socket = "/tmp/x.sock", heartbeat = 0/0 },
+            { socket = "/tmp/x.sock", exit_timeout = math.huge },
+            { socket = "/tmp/x.sock", unique_window = 1e308 },
         }
         local errs = {}
         for i, opts in ipairs(cases) do
@@ -319,11 +325,17 @@ def test_option_validation_and_unsubscribe(nginx):
               "opts.max_payload must be an integer >= 1 and <= 67108864",
               'opts.overflow must be "reject", "drop_oldest" or "wait"',
               "opts.privileged_agent must be a boolean",
-              "opts.heartbeat must be a number >= 0.01 (seconds)",
-              "opts.wait_timeout must be a number >= 0.001 (seconds)",
+              "opts.heartbeat must be a number >= 0.01 and <= 86400",
+              "opts.wait_timeout must be a number >= 0.001 and <= 86400",
               "opts.max_queue_bytes must be at least opts.max_payload + 8192",
               "opts.bogus is not a known option",
-              "opts must be a table"]
+              "opts must be a table",
+              "opts.max_backlog must be an integer >= 1",
+              "opts.max_backlog must be an integer >= 1",
+              "opts.max_queue must be an integer >= 1 and <= 100000000",
+              "opts.heartbeat must be a number >= 0.01 and <= 86400",
+              "opts.exit_timeout must be a number >= 0.001 and <= 86400",
+              "opts.unique_window must be a number >= 0.001 and <= 86400"]
     assert len(errs) == len(expect)
     for got, want in zip(errs, expect):
         assert want in got, (got, want)

@@ -311,6 +311,17 @@ def test_parse_url_and_bad_options(nginx):
         out[#out + 1] = { ok, err }
         ok, err = pcall(http.new, { host = "x", scheme = "gopher" })
         out[#out + 1] = { ok, err }
+        for _, o in ipairs({ { host = "x", read_timout = 1 },
+                             { host = "x", port = 0/0 },
+                             { host = "x", port = 80.5 },
+                             { host = "x", pool_size = 0/0 },
+                             { host = "x", timeout = 1/0 },
+                             { host = "x", connect_timeout = 0 },
+                             { host = "x", ssl_verify = "no" },
+                             { host = "x", max_body = -1 } }) do
+            ok, err = pcall(http.new, o)
+            out[#out + 1] = { ok, err }
+        end
         ngx.say(cjson.encode(out))
     } }""")
     out = n.get("/p").json()
@@ -322,3 +333,126 @@ def test_parse_url_and_bad_options(nginx):
     assert out[5][0] is None and "no host" in out[5][1]
     assert out[6][0] is False and "opts.port" in out[6][1]
     assert out[7][0] is False and "opts.scheme" in out[7][1]
+    want = ["opts.read_timout: unknown option", "opts.port must be",
+            "opts.port must be", "opts.pool_size must be",
+            "opts.timeout must be", "opts.connect_timeout must be",
+            "opts.ssl_verify must be a boolean", "opts.max_body must be"]
+    for (ok_, err), text in zip(out[8:], want):
+        assert ok_ is False and text in err, (err, text)
+    assert len(out) == 8 + len(want)
+
+
+NAMED_CLIENT = """
+location = /named { content_by_lua_block {
+    local cjson = require "cjson"
+    local http = require "resty.loom.http"
+    local args = ngx.req.get_uri_args()
+    local c = http.new({ host = args.host, port = tonumber(args.port),
+                         timeout = tonumber(args.timeout) })
+    local t0 = ngx.now()
+    local res, err, permanent = c:request("GET", "/")
+    ngx.update_time()
+    ngx.say(cjson.encode({ status = res and res.status, err = err,
+                           permanent = permanent or false,
+                           elapsed = ngx.now() - t0 }))
+} }
+"""
+
+
+def named(n, host, port, timeout):
+    r = n.get("/named?host=%s&port=%d&timeout=%s" % (host, port, timeout),
+              timeout=60)
+    assert r.status == 200, r
+    return r.json()
+
+
+def test_timeout_covers_a_resolver_that_never_answers(nginx):
+    from pubsub.dns import FakeDNS
+    dns = FakeDNS("silent")
+    try:
+        # (an abandoned lookup holds a graceful exit until resolver_timeout:
+        # 6 s keeps the test short and still far above the request's 1 s)
+        n = nginx(workers=1, server=NAMED_CLIENT, http="""
+            resolver %s ipv6=off;
+            resolver_timeout 6s;""" % dns.addr)
+        res = named(n, "never.test", 80, 1)
+        assert res["err"] == "failed to connect: timeout", res
+        assert res["permanent"] is False
+        # the one-second limit, not the resolver's 6 s (slack for a busy
+        # machine)
+        assert 0.9 <= res["elapsed"] < 4, res
+        assert "never.test" in dns.queries
+        # the worker is fine afterwards: a second lookup is cut the same way
+        res = named(n, "never2.test", 80, 0.5)
+        assert res["err"] == "failed to connect: timeout", res
+        assert res["elapsed"] < 4, res
+        n.quit()
+    finally:
+        dns.close()
+
+
+def test_resolution_failures_say_whether_they_are_permanent(nginx):
+    from pubsub.dns import FakeDNS
+    srv = RawServer(keepalive_handler([ok(b"named")]))
+    nx = FakeDNS({"good.test": "127.0.0.1"})
+    sf = FakeDNS("servfail")
+    try:
+        n = nginx(workers=1, server=NAMED_CLIENT, http="""
+            resolver %s ipv6=off;""" % nx.addr)
+        res = named(n, "good.test", srv.port, 5)
+        assert res.get("status") == 200 and "err" not in res, res
+        res = named(n, "missing.test", srv.port, 5)
+        assert "could not be resolved (3: " in res["err"], res
+        assert res["permanent"] is True
+        n2 = nginx(workers=1, server=NAMED_CLIENT, http="""
+            resolver %s ipv6=off;""" % sf.addr)
+        res = named(n2, "any.test", srv.port, 5)
+        assert "could not be resolved (2: " in res["err"], res
+        assert res["permanent"] is False
+        n3 = nginx(workers=1, server=NAMED_CLIENT)
+        n3.allow_log(r"no resolver defined to resolve")
+        res = named(n3, "any.test", srv.port, 5)
+        assert "no resolver defined" in res["err"], res
+        assert res["permanent"] is True
+    finally:
+        srv.close()
+        nx.close()
+        sf.close()
+
+
+def test_pooled_connections_to_a_name_spawn_no_thread(nginx):
+    # a light thread lives in its request's memory until the request ends
+    # (a publisher's timer runs for days): only a connect that may resolve
+    # a name gets one, not one per request on a kept-alive connection
+    from pubsub.dns import FakeDNS
+    srv = RawServer(keepalive_handler([ok(b"k")]))
+    dns = FakeDNS({"keep.test": "127.0.0.1"})
+    try:
+        n = nginx(workers=1, http="resolver %s ipv6=off;" % dns.addr,
+                  server="""
+        location = /t { content_by_lua_block {
+            local spawn = ngx.thread.spawn
+            local spawned = 0
+            ngx.thread.spawn = function(...)
+                spawned = spawned + 1
+                return spawn(...)
+            end
+            package.loaded["resty.loom.http"] = nil
+            local http = require "resty.loom.http"
+            ngx.thread.spawn = spawn
+            local c = http.new({ host = "keep.test",
+                                 port = tonumber(ngx.var.arg_port) })
+            local bodies = 0
+            for i = 1, 50 do
+                local res = c:request("GET", "/")
+                if res and res.body == "k" then
+                    bodies = bodies + 1
+                end
+            end
+            ngx.say(bodies, " ", spawned, " ", c.connects)
+        } }""")
+        r = n.get("/t?port=%d" % srv.port)
+        assert r.text.split() == ["50", "1", "1"], r.text
+    finally:
+        srv.close()
+        dns.close()

@@ -25,6 +25,9 @@ class TestGo(RuntimeSuite):
     CONFIG = "mode=ops"
     PANIC_RE = (r"^ERR runtime error: panic at .*/examples/cache/main\.go:\d+:"
                 r" boom$")
+    PANIC_LOG_RE = (r"\[error\].*\[loom\.offload\] \S+go_example\.so: "
+                    r"go handler \*main\.\w+ panic at "
+                    r".*/examples/cache/main\.go:\d+: (boom|again)")
     SOAK = SOAK_CALLS
     # Go's runtime unblocks SIGCHLD on every thread it creates; the
     # package wraps nginx's SIGCHLD handler so that it forwards the signal

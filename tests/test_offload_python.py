@@ -20,12 +20,18 @@ class TestPython(RuntimeSuite):
                 r"Traceback \(most recent call last\):\n"
                 r".*loom_example\.py\", line \d+, in handle\n"
                 r".*\nValueError: boom$")
+    PANIC_LOG_RE = (r"\[error\].*\[loom\.offload\] \S+rt_python\.so: "
+                    r"python handler loom_example\.handle raised ValueError: "
+                    r"(boom|again)")
+    PANIC_LOG_MORE = (r"\nTraceback \(most recent call last\):\n"
+                      r".*loom_example\.py\", line \d+, in handle\n")
     SOAK = SOAK_CALLS
     ECHO_CONFIG = "path=%s module=loom_example function=echo" % EXAMPLES
 
     def test_returned_error(self, nginx):
         # the handler must return bytes-like data (or str, or None)
         n = self.start(nginx)
+        n.allow_log(r"python handler loom_example\.handle raised TypeError")
         status, body = self.call(n, "int:5")
         assert status == 500
         assert body.startswith(b"ERR runtime error: TypeError: handler "
@@ -70,3 +76,29 @@ class TestPython(RuntimeSuite):
         n.wait_log(r"slow_start imported")
         # a second load in the same worker reuses the interpreter
         assert self.call(n, "y") == (200, b"started:y")
+
+    def test_subprocess_gets_the_exit_status(self, nginx):
+        # nginx's worker reaps its children on SIGCHLD (waitpid(-1)):
+        # subprocess then found its child gone and reported returncode 0
+        # for commands that failed (7 of 20). Children of runtime threads
+        # are left to them now: every call gets the real status
+        n = self.start(nginx, threads=2)
+        for code in (3, 0, 1) * 10:
+            assert self.call(n, "exit:%d" % code) == (200, b"%d" % code)
+        # and from both threads at once
+        out = self.get(n, "/many?n=40&op=exit")
+        assert out == "ok=40 bad=0 errors=\n", out
+
+    def test_subprocess_status_lost_is_an_error(self, nginx):
+        # a child something else reaped: subprocess gave returncode 0;
+        # now wait() and poll() raise
+        n = self.start(nginx, config="path=%s module=reaped" % PY_TESTS)
+        n.allow_log(r"python handler reaped\.handle raised ChildProcessError")
+        for op in ("wait", "poll"):
+            status, body = self.call(n, op)
+            assert status == 500, body
+            assert body.startswith(
+                b"ERR runtime error: ChildProcessError: [Errno 10] exit "
+                b"status of process "), body
+            assert b"lost: something else in the nginx worker reaped it" \
+                in body, body

@@ -38,6 +38,8 @@ LOCATIONS = """
         require("offload_rt_common").burst() } }
     location /soak { content_by_lua_block {
         require("offload_rt_common").soak() } }
+    location /bulk { content_by_lua_block {
+        require("offload_rt_common").bulk() } }
     location /stats { content_by_lua_block {
         require("offload_rt_common").stats() } }
     location /state { content_by_lua_block {
@@ -95,6 +97,8 @@ class RuntimeSuite:
     LIB = None           # path of the shared library
     CONFIG = ""          # configuration string for the "ops" example
     PANIC_RE = None      # what a "panic:boom" payload gives
+    PANIC_LOG_RE = None  # its error.log line (runtime, handler, message)
+    PANIC_LOG_MORE = ""  # and what follows that line (a traceback)
     PANIC_OP = "panic:"  # the op that panics / raises
     SOAK = SOAK_CALLS    # sequential calls in the soak test
     ECHO_CONFIG = "mode=echo"  # an instance answering with the payload
@@ -175,6 +179,7 @@ class RuntimeSuite:
 
     def test_error_and_panic_keep_the_worker(self, nginx):
         n = self.start(nginx, threads=2)
+        n.allow_log(self.PANIC_LOG_RE)
         pid = n.worker_pids()[0]
         assert self.call(n, "put:k=kept") == (200, b"ok")
         status, body = self.call(n, self.PANIC_OP + "boom")
@@ -189,6 +194,18 @@ class RuntimeSuite:
         assert n.worker_pids() == [pid]
         stats = n.get("/stats?rt=%s" % self.NAME).json()
         assert stats["errors"] >= 21
+
+    def test_panic_is_logged_once(self, nginx):
+        n = self.start(nginx, threads=2)
+        n.allow_log(self.PANIC_LOG_RE)
+        status, body = self.call(n, self.PANIC_OP + "boom")
+        assert status == 500
+        # exactly one line, with the runtime, the handler and the message
+        n.wait_log(self.PANIC_LOG_RE + self.PANIC_LOG_MORE)
+        time.sleep(0.3)
+        log = n.error_log()
+        assert len(re.findall(self.PANIC_LOG_RE, log)) == 1, log[-3000:]
+        assert len(re.findall(r"\[error\]", log)) == 1, log[-3000:]
 
     def test_two_instances_in_one_worker(self, nginx):
         # one library, two configurations: two runtimes with their own
@@ -270,6 +287,28 @@ class RuntimeSuite:
         stats = n.get("/stats?rt=%s" % self.NAME).json()
         assert stats["completed"] >= self.SOAK
         assert after - before < 2048, (before, after)
+
+    def test_large_payloads_give_memory_back(self, nginx):
+        # 64 MiB payloads and answers, two calls at a time: once they are
+        # done the worker's RSS comes back near where it was (a Go worker
+        # kept 137 MB)
+        n = self.start(nginx, threads=2)
+        pid = n.worker_pids()[0]
+        assert self.get(n, "/bulk?mib=1&n=2") == "ok=8 bad=0\n"  # warm up
+        before = rss_kb(pid)
+        assert self.get(n, "/bulk?mib=64&n=2",
+                        timeout=120) == "ok=8 bad=0\n"
+        peak = rss_kb(pid)
+        deadline = time.time() + 5
+        after = peak
+        while time.time() < deadline:
+            time.sleep(0.25)
+            after = rss_kb(pid)
+            if after - before < 32 * 1024:
+                break
+        print("%s: worker RSS %d kB before 64 MiB calls, %d kB right "
+              "after, %d kB within 5 s" % (self.NAME, before, peak, after))
+        assert after - before < 32 * 1024, (before, peak, after)
 
     # -- signals ------------------------------------------------------------
 
@@ -387,6 +426,9 @@ class TestRust(RuntimeSuite):
     CONFIG = "mode=ops"
     PANIC_RE = (r"^ERR runtime error: panicked at examples/cache\.rs:\d+:\d+:"
                 r" boom$")
+    PANIC_LOG_RE = (r"\[error\].*\[loom\.offload\] \S+rust_example\.so: "
+                    r"rust handler \S*::Cache panicked at "
+                    r"examples/cache\.rs:\d+:\d+: (boom|again)")
     SOAK = SOAK_CALLS
 
     def test_threads_are_named(self, nginx):

@@ -231,3 +231,48 @@ def test_topics_share_one_token(nginx, fake, pki):
     assert topics == {"topic-1", "topic-2"}
     assert len(fake.token_requests) == 1
     assert len({r["auth"] for r in fake.requests}) == 1
+
+
+@pytest.mark.parametrize("status,body", [
+    (400, b'{"error": "invalid_grant", "error_description": "bad key"}'),
+    (401, b'{"error": "unauthorized_client"}'),
+])
+def test_token_endpoint_refusal_fails_at_once(nginx, fake, pki, status,
+                                              body):
+    # the token endpoint refuses the credentials: asking again cannot help,
+    # so the batch fails at once (default retry deadline: 60 s)
+    fake.token_script = [FakePubSub.raw(status, body, "application/json")] \
+        * 100
+    n = H.publisher(nginx, conf(fake), workers=1, http=tls_http(pki))
+    n.allow_log(r"token refresh: failed to fetch token")
+    ok, _ = H.send(n, 10, "tok")
+    assert ok == 10
+    res = H.wait_for(lambda: (lambda r: r if r["err_msgs"] else None)(
+        H.results(n)), 10)
+    assert res and res["err_msgs"] == 10, res
+    err = res["errors"][0]
+    assert err["attempts"] == 1
+    assert "failed to fetch token: status %d" % status in err["reason"]
+    assert fake.requests == []
+    assert n.get("/stats").json()["retried"] == 0
+    # more batches within 5 s fail the same way without asking again
+    asked = len(fake.token_requests)
+    ok, _ = H.send(n, 10, "tok2")
+    assert H.wait_for(lambda: H.results(n)["err_msgs"] == 20, 10)
+    assert len(fake.token_requests) == asked
+
+
+def test_unverified_certificate_fails_at_once(nginx, fake, pki):
+    # default retry deadline (60 s): a certificate that does not verify is
+    # not retried
+    c = conf(fake, self_signed_jwt=True)
+    n = H.publisher(nginx, c, workers=1, http=tls_http(pki, pki["other"]))
+    n.allow_log(r"certificate verify failed|SSL_do_handshake")
+    ok, _ = H.send(n, 10, "mitm2")
+    assert ok == 10
+    res = H.wait_for(lambda: (lambda r: r if r["err_msgs"] else None)(
+        H.results(n)), 10)
+    assert res and res["err_msgs"] == 10, res
+    assert res["errors"][0]["attempts"] == 1
+    assert "handshake" in res["errors"][0]["reason"]
+    assert fake.requests == []

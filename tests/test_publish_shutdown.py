@@ -96,3 +96,19 @@ def test_quit_budget_spent_reports_leftovers(nginx, fake):
     left = sum(int(x) for x in LEFT.findall(log))
     assert sent == 0 and failed == 1000
     assert 0 < left <= 1000
+
+
+def test_hup_reload_flushes_30000(nginx, fake):
+    # 30,000 messages held in two workers (the sink slow): a reload sends
+    # them all within the flush budget
+    fake.default = ("slow", 0.1)
+    n = H.publisher(nginx, held(fake), workers=2)
+    ok, _ = H.send(n, 30000, "big", size=100, per_request=1000)
+    assert ok == 30000
+    n.reload()
+    assert fake.wait_messages(30000, 20) == 30000
+    n.wait_log(FLUSHED.pattern, count=2)
+    sent = [int(m[0]) for m in FLUSHED.findall(n.error_log())]
+    assert sum(sent) == 30000
+    assert sorted(fake.datas()) == sorted(
+        H.expected_datas(30000, "big", 100, per_request=1000))

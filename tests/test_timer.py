@@ -885,3 +885,37 @@ def test_stats_arguments_checked(nginx):
     for bad in ("nan", "0", "-1", "1e308"):
         assert n.get("/stats?timeout=" + bad).status == 400
     assert n.get("/stats?timeout=0.5").status == 200
+
+
+def test_exit_reports_dropped_premature_callbacks(nginx):
+    # premature callbacks not started within exit_timeout were dropped at
+    # worker exit with nothing in the log (only a counter of the exiting
+    # worker): the log now says how many
+    n = nginx(workers=1, http=HTTP + """
+    init_by_lua_block {
+        require("resty.loom.timer").configure({ exit_timeout = 0.2 })
+    }
+    """, server=RUN)
+    run(n, """
+        local timer = require "resty.loom.timer"
+        local h = require "timer_helpers"
+        for i = 1, 20 do
+            assert(timer.at(3600, function(premature)
+                if premature then
+                    -- 50 ms of CPU each: 20 of them outlast exit_timeout
+                    local stop = h.mono() + 0.05
+                    while h.mono() < stop do end
+                    ngx.log(ngx.NOTICE, "premature run ", i)
+                end
+            end))
+        end
+    """)
+    n.quit()
+    log = n.error_log()
+    ran = len(re.findall(r"premature run \d+", log))
+    m = re.search(r"\[warn\][^\n]*\[loom\.timer\] worker exiting: (\d+) "
+                  r"premature callbacks dropped, not started within "
+                  r"exit_timeout \(0\.2 s\)", log)
+    assert m, log[-2000:]
+    assert int(m.group(1)) > 0
+    assert ran + int(m.group(1)) == 20, (ran, m.group(1))

@@ -769,3 +769,61 @@ location = /loom {
     assert sleeper["timer"] == {"callback": CASES}
     assert sleeper["backtrace"][0]["line"] == marker_line("loom_sleep")
     n.wait_log(r'by timer "burner" \S+watchdog_cases.lua;')
+
+
+def test_flamegraph_bad_options_raise_at_the_callers_line(nginx):
+    # a misspelt or bad renderer option named the watchdog's own line
+    n = nginx(
+        workers=1, http=HTTP % {"threshold": 100}, server=SERVER + r"""
+location = /badflame {
+    content_by_lua_block {
+        local wd = require "resty.loom.watchdog"
+        for _, o in ipairs({ { widht = 800 }, { width = 0/0 }, "wide" }) do
+            local ok, err = pcall(function()
+                local svg = wd.flamegraph(nil, o)   -- not a tail call
+                return svg
+            end)
+            ngx.say(ok, " ", err)
+        end
+        ngx.say(#wd.flamegraph(nil, { width = 800 }) > 0)
+    }
+}
+""")
+    lines = n.get("/badflame").text.splitlines()
+    prefix = r"false content_by_lua\(nginx\.conf:\d+\):\d+: "
+    assert re.match(prefix + r"opts\.widht is not an option$", lines[0]), \
+        lines
+    assert re.match(prefix + r"opts\.width must be a whole number", lines[1])
+    assert re.match(prefix + r"opts must be a table$", lines[2]), lines
+    assert lines[3] == "true"
+
+
+def test_timers_wrap_keeps_resty_loom_timer_patch(nginx):
+    # the watchdog required before resty.loom.timer's patch(): start()
+    # replaced the patched ngx.timer.at/every with wrappers of the native
+    # ones, so every timer went native again, in silence
+    n = nginx(workers=1, http="""
+    init_by_lua_block {
+        require "resty.loom.watchdog"
+        require("resty.loom.timer").patch()
+    }
+    """ + HTTP % {"threshold": 100}, server=SERVER + """
+location = /patched {
+    content_by_lua_block {
+        local timer = require "resty.loom.timer"
+        ngx.say(ngx.timer.at == timer.at, " ", ngx.timer.every == timer.every)
+        assert(ngx.timer.at(5, function() end))
+        ngx.say(timer.pending_count())
+        -- a bad delay still names this line
+        local ok, err = pcall(function()
+            local h = ngx.timer.at("soon", function() end)
+            return h
+        end)
+        ngx.say(err)
+    }
+}
+""")
+    lines = n.get("/patched").text.splitlines()
+    assert lines[:2] == ["true true", "1"], lines
+    assert re.match(r"content_by_lua\(nginx\.conf:\d+\):\d+: ", lines[2]), \
+        lines

@@ -47,6 +47,8 @@ HERE = os.path.join(ROOT, "bench", "events")
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 from loomtest import nginx as loomnginx  # noqa: E402
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import benchcli  # noqa: E402
 from loomtest.nginx import Nginx  # noqa: E402
 
 REPEAT = int(os.environ.get("REPEAT", "3"))
@@ -815,18 +817,18 @@ def markdown(data):
 # -- main ------------------------------------------------------------------
 
 def main():
-    if "-h" in sys.argv or "--help" in sys.argv:
-        print(__doc__.strip())
-        return
-    unknown = [a for a in sys.argv[1:] if a not in ("--markdown",
-                                                     "--retarget")]
-    if unknown:
-        sys.exit("unknown argument %r (see --help)" % unknown[0])
-    if "--markdown" in sys.argv:
+    ap = benchcli.parser(__doc__)
+    ap.add_argument("--markdown", action="store_true",
+                    help="print the tables of the results file and exit")
+    ap.add_argument("--retarget", action="store_true",
+                    help="recompute the medians and targets of the results "
+                         "file, print its tables and exit")
+    args = ap.parse_args()
+    if args.markdown:
         with open(OUT) as f:
             print(markdown(json.load(f)))
         return
-    if "--retarget" in sys.argv:
+    if args.retarget:
         # recomputes medians and targets of an existing results file
         with open(OUT) as f:
             data = json.load(f)
@@ -854,6 +856,10 @@ def main():
     if os.environ.get("BENCH_CELLS"):
         cells = [tuple(c.split(":"))
                  for c in os.environ["BENCH_CELLS"].split(",")]
+    # per run: start-up, warm-up, wrk, draining; raw: 3 runs per cell
+    benchcli.announce(__doc__, REPEAT * (
+        ("kong" in PARTS) * len(cells) * len(libs) * (DURATION + WARMUP + 8)
+        + ("raw" in PARTS) * len(RAW) * (3 * RAW_DURATION + 12)), OUT)
 
     started = datetime.datetime.now(datetime.timezone.utc)
     data = {

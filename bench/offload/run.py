@@ -5,10 +5,20 @@ Echo of 64 B and 16 KiB payloads, in one nginx (2 workers), mechanisms side
 by side:
 
   c, rust, go   our runtimes (runtimes/*, "mode=echo"), those that are built
+  lua, java     our Lua and Java runtimes calling an echo handler by name
   thread        ngx.run_worker_thread (thread_pool default threads=4)
   uds           a Go sidecar on a UNIX socket, reached with cosockets and
                 keepalive (bench/offload/sidecar)
+  java_uds      the same in Java (bench/offload/sidecar/EchoSidecar.java)
   none          no offload: the ceiling (concurrent test only)
+
+Jobs, concurrent test only, 4 threads each (the Lua runtime with
+threads=4, run_worker_thread on the pool of 4), the same Lua module
+(bench/offload/lua/offload_bench_job.lua) in both:
+
+  lua_io, thread_io     a blocking PING to a local redis-server over
+                        lua-socket, then some arithmetic
+  lua_cpu, thread_cpu   arithmetic only
 
 Sequential: microseconds per call over 100,000 calls made from one request.
 Concurrent: wrk -t1 -c64 -d10s --latency on a location doing one call per
@@ -17,7 +27,6 @@ mechanisms (A B C ... then ... C B A); figures are medians over passes.
 Results: bench/results/offload.json.
 """
 
-import argparse
 import datetime
 import json
 import os
@@ -32,6 +41,10 @@ import sys
 import time
 import urllib.request
 
+sys.path.insert(0, os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), ".."))
+import benchcli  # noqa: E402
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
 TMP = os.path.join(HERE, "tmp")
@@ -44,6 +57,22 @@ RUNTIMES = {
     "rust": "runtimes/rust/build/libloom_rt_rust_example.so",
     "go": "runtimes/go/build/libloom_rt_go_example.so",
 }
+
+JAVA_HOME = os.environ.get("JAVA_HOME_17",
+                           "/usr/lib/jvm/java-17-openjdk-amd64")
+
+# runtimes called by name: path, configuration, handler
+NAMED = {
+    "lua": ("runtimes/lua/build/libloom_rt_lua.so",
+            "path=" + os.path.join(HERE, "lua", "?.lua"),
+            "offload_bench_echo.echo"),
+    "java": ("runtimes/java/build/libloom_rt_java.so",
+             "classpath=" + os.path.join(
+                 ROOT, "runtimes/java/build/loom-examples.jar")
+             + " xmx=64m cpus=1", "loom.example.Echo"),
+}
+
+JOB_MECHS = ["lua_io", "thread_io", "lua_cpu", "thread_cpu"]
 
 SIZES = ["64", "16384"]
 
@@ -72,7 +101,8 @@ http {{
     lua_package_path "{root}/lib/?.lua;{here}/lua/?.lua;;";
 
     init_by_lua_block {{
-        require("offload_bench").init({libs}, "unix:{sock}")
+        require("offload_bench").init({libs},
+            {{ uds = "unix:{sock}", java_uds = "unix:{jsock}" }}, {redis})
     }}
     init_worker_by_lua_block {{
         require("offload_bench").init_worker()
@@ -162,18 +192,27 @@ def wrk(url, duration, pids):
 
 def build(mechs):
     subprocess.run(["make", "-s", "-C", ROOT, "build"], check=True)
-    subprocess.run(["make", "-s", "-C", os.path.join(ROOT, "runtimes", "c")],
-                   check=True)
+    for rt in ("c", "lua", "java"):
+        subprocess.run(["make", "-s", "-C", os.path.join(ROOT, "runtimes",
+                                                         rt)], check=True)
     os.makedirs(TMP, exist_ok=True)
     side = os.path.join(TMP, "sidecar")
     subprocess.run(["go", "build", "-o", side,
                     os.path.join(HERE, "sidecar", "main.go")], check=True,
                    env=dict(os.environ, GOFLAGS="-mod=mod"))
+    subprocess.run([os.path.join(JAVA_HOME, "bin", "javac"), "-d", TMP,
+                    os.path.join(HERE, "sidecar", "EchoSidecar.java")],
+                   check=True)
     return side
 
 
+def rss_kb(pid):
+    with open("/proc/%d/status" % pid) as f:
+        return int(re.search(r"VmRSS:\s+(\d+)", f.read()).group(1))
+
+
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = benchcli.parser(__doc__)
     ap.add_argument("--duration", type=int, default=10,
                     help="seconds per wrk run (default 10)")
     # 3: the median of 2 is their mean, and one pass that fell off the
@@ -216,12 +255,27 @@ def main():
     if args.variants and "c" in libs:
         variants["c_nospin"] = (libs["c"], dict(opts, spin_us=0, poll_us=0))
         variants["c_nopoll"] = (libs["c"], dict(opts, poll_us=0))
+    for k, (path, config, handler) in NAMED.items():
+        variants[k] = (os.path.join(ROOT, path), opts, config, handler)
     libs = variants
-    mechs = list(libs) + ["thread", "uds"]
+    mechs = list(libs) + ["thread", "uds", "java_uds"]
+    # the jobs' runtime: as many threads as run_worker_thread's pool
+    libs["lua_job"] = (os.path.join(ROOT, NAMED["lua"][0]),
+                       dict(opts, threads=4), NAMED["lua"][1], None)
+    jobs = list(JOB_MECHS)
     if args.only:
         keep = args.only.split(",")
         mechs = [m for m in mechs if m in keep]
-        libs = {k: v for k, v in libs.items() if k in keep}
+        jobs = [m for m in jobs if m in keep]
+        libs = {k: v for k, v in libs.items()
+                if k in keep or (k == "lua_job" and jobs)}
+    # sequential: ~10 us a call; concurrent: one wrk run per cell
+    benchcli.announce(__doc__, args.passes * len(sizes) * (
+        len(mechs) * (args.calls * 10e-6 + 1)
+        + (not args.skip_concurrent) * (len(mechs) + 1) * (args.duration + 2))
+        + (not args.skip_concurrent) * args.passes * len(jobs)
+        * (args.duration + 2),
+        "print only" if args.no_write else RESULTS)
 
     side = build(mechs)
     prefix = os.path.join(TMP, "nginx")
@@ -235,15 +289,25 @@ def main():
     shutil.rmtree(prefix, ignore_errors=True)
     os.makedirs(prefix)
     sock = os.path.join(TMP, "echo.sock")
+    jsock = os.path.join(TMP, "jecho.sock")
     port = free_port()
+    redis_port = free_port()
 
     def lua_table(d):
         return "{" + ", ".join("%s = %d" % kv for kv in d.items()) + "}"
 
-    lua_libs = "{" + ", ".join('%s = { "%s", %s }' % (
-        k, p, lua_table(o)) for k, (p, o) in libs.items()) + "}"
+    def lua_lib(k, v):
+        path, o = v[0], v[1]
+        extra = ""
+        if len(v) > 2:
+            extra = ", %s, %s" % (json.dumps(v[2]),
+                                  json.dumps(v[3]) if v[3] else "nil")
+        return '%s = { "%s", %s%s }' % (k, path, lua_table(o), extra)
+
+    lua_libs = "{" + ", ".join(lua_lib(k, v) for k, v in libs.items()) + "}"
     conf = CONF.format(modules=MODULES, root=ROOT, here=HERE, prefix=prefix,
-                       port=port, sock=sock, libs=lua_libs,
+                       port=port, sock=sock, jsock=jsock, redis=redis_port,
+                       libs=lua_libs,
                        user="user root;" if os.geteuid() == 0 else "")
     conf_path = os.path.join(prefix, "nginx.conf")
     with open(conf_path, "w") as f:
@@ -253,13 +317,20 @@ def main():
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     sidecar = subprocess.Popen([side, sock])
+    jsidecar = subprocess.Popen([os.path.join(JAVA_HOME, "bin", "java"),
+                                 "-Xmx64m", "-XX:ActiveProcessorCount=1",
+                                 "-cp", TMP, "EchoSidecar", jsock])
+    redis = subprocess.Popen(["redis-server", "--port", str(redis_port),
+                              "--bind", "127.0.0.1", "--save", "",
+                              "--appendonly", "no"],
+                             stdout=subprocess.DEVNULL)
     started = False
     base = "http://127.0.0.1:%d" % port
     results = {"sequential": {}, "concurrent": {}}
     load_before = loadavg()
     try:
-        for _ in range(100):
-            if os.path.exists(sock):
+        for _ in range(200):
+            if os.path.exists(sock) and os.path.exists(jsock):
                 break
             time.sleep(0.05)
         subprocess.run([NGINX, "-p", prefix, "-c", conf_path], check=True)
@@ -274,8 +345,9 @@ def main():
         time.sleep(1)
         with open(os.path.join(prefix, "nginx.pid")) as f:
             master = int(f.read())
-        # nginx workers (with their runtime threads) and the sidecar
-        pids = children(master) + [sidecar.pid]
+        # nginx workers (with their runtime threads) and the sidecars
+        workers = children(master)
+        pids = workers + [sidecar.pid, jsidecar.pid]
 
         seq = {(m, s): [] for m in mechs for s in sizes}
         for p in range(args.passes):
@@ -291,11 +363,11 @@ def main():
                               r["p50"], r["p99"]), flush=True)
 
         conc_mechs = mechs + ["none"]
-        conc = {(m, s): [] for m in conc_mechs for s in sizes}
+        conc = {(m, s): [] for m in conc_mechs + jobs for s in sizes}
         for p in range(0 if args.skip_concurrent else args.passes):
             order = conc_mechs if p % 2 == 0 else conc_mechs[::-1]
             for s in sizes:
-                for m in order:
+                for m in order + (jobs if s == sizes[0] else []):
                     r = wrk("%s/c?m=%s&s=%s" % (base, m, s), args.duration,
                             pids)
                     conc[(m, s)].append(r)
@@ -305,12 +377,17 @@ def main():
                               r["cpu_us_per_req"], r["non2xx"]), flush=True)
         stats = get(base + "/stats")
         print("runtime stats (one worker):", stats.strip())
+        memory = {"worker_rss_kb": [rss_kb(w) for w in workers],
+                  "go_sidecar_rss_kb": rss_kb(sidecar.pid),
+                  "java_sidecar_rss_kb": rss_kb(jsidecar.pid)}
+        print("memory:", memory)
     finally:
         if started:
             subprocess.run([NGINX, "-p", prefix, "-c", conf_path, "-s",
                             "quit"])
-        sidecar.send_signal(signal.SIGTERM)
-        sidecar.wait()
+        for proc in (sidecar, jsidecar, redis):
+            proc.send_signal(signal.SIGTERM)
+            proc.wait()
 
     def med(xs):
         return round(statistics.median(xs), 3)
@@ -347,11 +424,12 @@ def main():
                     "loadavg_before": load_before,
                     "loadavg_after": loadavg()},
         "setup": {"workers": 2,
-                  "runtime_opts": {k: o for k, (_, o) in libs.items()},
+                  "runtime_opts": {k: v[1] for k, v in libs.items()},
                   "thread_pool": "default threads=4",
                   "wrk": "-t1 -c64 -d%ds --latency" % args.duration,
                   "passes": args.passes, "sequential_calls": args.calls},
         "runtime_stats_at_end": json.loads(stats),
+        "memory_at_end": memory,
         "sequential": results["sequential"],
         "concurrent": results["concurrent"],
     }
@@ -373,7 +451,7 @@ def main():
           "| 64 B RPS | 64 B p99 ms | 64 B CPU us/req | 16 KiB RPS "
           "| 16 KiB p99 ms | 16 KiB CPU us/req |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for m in mechs + ["none"]:
+    for m in mechs + ["none"] + jobs:
         sq = results["sequential"].get(m, {})
         cc = results["concurrent"].get(m, {})
 

@@ -38,6 +38,8 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 from loomtest.nginx import Nginx  # noqa: E402
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import benchcli  # noqa: E402
 from pubsub import emulator as E  # noqa: E402
 from pubsub.sink import FastSink  # noqa: E402
 
@@ -373,20 +375,22 @@ def write(runs, notes, date=None):
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] in (["-h"], ["--help"]):
-        print(__doc__.strip())
-        print("\nOptions: --summarise [NOTE ...] recomputes the medians of "
-              "bench/results/publish.json\n(adding the notes); "
-              "anything else is refused.")
-        sys.exit(0)
-    if sys.argv[1:2] not in ([], ["--summarise"]):
-        sys.exit("unknown argument %r (see --help)" % sys.argv[1])
-    if sys.argv[1:2] == ["--summarise"]:
+    ap = benchcli.parser(__doc__)
+    ap.add_argument("--summarise", nargs="*", metavar="NOTE",
+                    help="recompute the medians of bench/results/publish.json"
+                         " (adding the notes) and exit")
+    args = ap.parse_args()
+    if args.summarise is not None:
         # recompute the medians of bench/results/publish.json
         with open(os.path.join(ROOT, "bench", "results",
                                "publish.json")) as f:
             old = json.load(f)
-        notes = old["notes"] + sys.argv[2:]
+        notes = old["notes"] + args.summarise
         write(old["runs"], notes, old["date"])
     else:
+        emu = [s for s in SCENARIOS if s.endswith("-emu")]
+        # per run: nginx start, wrk, counting; the emulator starts per round
+        benchcli.announce(__doc__, ROUNDS * (
+            len(SCENARIOS) * (DURATION + 6) + bool(emu) * 25),
+            "bench/results/publish.json")
         main()

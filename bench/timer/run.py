@@ -9,7 +9,6 @@ Writes bench/results/timer.json. Needs wrk and a built module (make build).
 The machine may be shared: the figures are noisy; see the "note" field.
 """
 
-import argparse
 import json
 import os
 import re
@@ -22,6 +21,8 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 from loomtest.nginx import Nginx  # noqa: E402
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import benchcli  # noqa: E402
 
 PEER = os.environ.get("PEER_TIMER_NG")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -405,16 +406,25 @@ def table(path):
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = benchcli.parser(__doc__)
     ap.add_argument("--table", action="store_true",
                     help="print the markdown tables of --out and exit")
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--duration", type=int, default=10)
-    ap.add_argument("--idle", type=int, default=4)
-    ap.add_argument("--counts", default="0,1000,10000,50000")
-    ap.add_argument("--skip", default="", help="micro,recurring,sleep,idle")
+    ap.add_argument("--reps", type=int, default=3,
+                    help="repetitions, variants alternating (default 3)")
+    ap.add_argument("--duration", type=int, default=10,
+                    help="seconds of wrk per recurring cell (default 10)")
+    ap.add_argument("--idle", type=int, default=4,
+                    help="seconds of idle CPU measurement per cell "
+                         "(default 4)")
+    ap.add_argument("--counts", default="0,1000,10000,50000",
+                    help="recurring timers per worker, one cell each "
+                         "(default 0,1000,10000,50000)")
+    ap.add_argument("--skip", default="",
+                    help="parts to leave out, comma-separated: micro, "
+                         "recurring, sleep, idle")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results",
-                                                  "timer.json"))
+                                                  "timer.json"),
+                    help="results file (default bench/results/timer.json)")
     args = ap.parse_args()
     if args.table:
         print(table(args.out))
@@ -422,6 +432,11 @@ def main():
     skip = set(filter(None, args.skip.split(",")))
     counts = [int(x) for x in args.counts.split(",")]
     vs = variants()
+    # micro, sleepers and idle: ~10 s a cell; recurring: idle + wrk + start
+    benchcli.announce(__doc__, args.reps * len(vs) * (
+        10 * len({"micro", "sleep", "idle"} - skip)
+        + ("recurring" not in skip) * len(counts)
+        * (args.duration + args.idle + 4)), args.out)
     raw = {"micro": [], "recurring": [], "sleepers": [], "idle": []}
     failures = []
     load_before = loadavg()

@@ -28,6 +28,8 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 from loomtest.nginx import Nginx  # noqa: E402
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import benchcli  # noqa: E402
 
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "3"))
 DURATION = int(os.environ.get("BENCH_DURATION", "10"))
@@ -193,4 +195,8 @@ def main():
 
 
 if __name__ == "__main__":
+    benchcli.parser(__doc__).parse_args()       # --help; no options
+    # warm-up, off/on wrk rounds, the stalls, LuaJIT's profiler runs
+    benchcli.announce(__doc__, 4 + ROUNDS * 2 * (DURATION + 1) + STALLS
+                      + 20, "bench/results/watchdog.json")
     main()

@@ -7,8 +7,10 @@ PREFIX="${LOOM_GATEWAY_PREFIX:-$ROOT/build/gateway}"
 MODULES="${LOOM_NGINX_MODULES:-/usr/share/nginx/modules}"
 NGINX="${LOOM_NGINX:-/usr/sbin/nginx}"
 LISTEN="${LOOM_GATEWAY_LISTEN:-127.0.0.1:8080}"
+# Started as root, nginx runs its workers as nobody (its default), or as
+# LOOM_GATEWAY_USER; started as another user, they run as that user.
 USER_LINE=""
-if [ "$(id -u)" = 0 ]; then USER_LINE="user root;"; fi
+if [ -n "${LOOM_GATEWAY_USER:-}" ]; then USER_LINE="user $LOOM_GATEWAY_USER;"; fi
 
 render() {
     sed -e "s#@ROOT@#$ROOT#g" -e "s#@PREFIX@#$PREFIX#g" \
@@ -18,6 +20,14 @@ render() {
 
 rm -rf "$PREFIX/conf"
 mkdir -p "$PREFIX/conf/conf.d" "$PREFIX/logs"
+# the bus socket's directory: `nginx -t` binds the socket before Lua runs
+mkdir -p -m 0700 "$PREFIX/sock"
+# the configuration the gateway keeps across reloads; its workers write it
+mkdir -p "$PREFIX/state"
+if [ "$(id -u)" = 0 ]; then
+    chown "$(echo "${LOOM_GATEWAY_USER:-nobody}" | cut -d' ' -f1)" \
+        "$PREFIX/state"
+fi
 render "$ROOT/examples/gateway/nginx.conf" "$PREFIX/conf/nginx.conf"
 for f in "$ROOT"/examples/gateway/conf.d/*.conf; do
     [ -e "$f" ] || continue
@@ -25,5 +35,13 @@ for f in "$ROOT"/examples/gateway/conf.d/*.conf; do
 done
 if [ -n "${LOOM_GATEWAY_RENDER_ONLY:-}" ]; then exit 0; fi
 
+# a packaged nginx (or anything else) may already hold the address
+if (exec 3<>"/dev/tcp/${LISTEN%:*}/${LISTEN##*:}") 2>/dev/null; then
+    echo "$LISTEN is already in use (a running nginx?); choose another" \
+         "address: LOOM_GATEWAY_LISTEN=127.0.0.1:8081 make run" >&2
+    exit 1
+fi
+
 echo "resty-loom gateway on http://$LISTEN (Ctrl-C stops it)"
-exec "$NGINX" -p "$PREFIX" -c "$PREFIX/conf/nginx.conf" "$@"
+exec "$NGINX" -p "$PREFIX" -c "$PREFIX/conf/nginx.conf" \
+    -e "$PREFIX/logs/error.log" "$@"

@@ -64,6 +64,7 @@ typedef struct {
     const loom_offload_host_t  *host;
     loom_offload_queue_t       *queue;
     PyObject                   *func;
+    char                        name[128];   /* module.function */
     pthread_t                  *threads;
     unsigned int                nthreads;
     int                         worker;
@@ -81,6 +82,8 @@ static void loom_py_block_signals(void);
 static void *loom_py_thread(void *arg);
 static void loom_py_serve(loom_py_rt_t *rt, loom_offload_task_t *task);
 static PyObject *loom_py_format_exception(void);
+static void loom_py_log_exception(loom_py_rt_t *rt, const char *exc,
+    size_t len);
 static char *loom_py_config_get(const char *cfg, const char *key);
 static void loom_py_set_err(loom_offload_init_t *init, const char *fmt,
     const char *arg);
@@ -175,6 +178,47 @@ loom_py_module_init(void)
 }
 
 
+/*
+ * subprocess takes ECHILD from waitpid() to mean "exited, status
+ * unknown" and reports returncode 0: a failed command looks like a
+ * success. The host leaves the children of runtime threads to them (see
+ * the SIGCHLD notes in src/ngx_loom_offload_sigchld.c), but whatever else reaps
+ * one (a module's waitpid(-1) running at the same moment) must not turn
+ * into a false success: the call raises ChildProcessError instead.
+ */
+static const char  loom_py_subprocess_patch[] =
+    "def _loom_patch():\n"
+    "    import errno, os, subprocess\n"
+    "    def lost(pid):\n"
+    "        return ChildProcessError(errno.ECHILD, 'exit status of process'\n"
+    "            ' %d lost: something else in the nginx worker reaped it'\n"
+    "            % pid)\n"
+    "    def try_wait(self, flags):\n"
+    "        try:\n"
+    "            return os.waitpid(self.pid, flags)\n"
+    "        except ChildProcessError:\n"
+    "            raise lost(self.pid) from None\n"
+    "    class Lost(subprocess.SubprocessError):\n"
+    "        pass\n"
+    "    def waitpid(pid, flags):\n"
+    "        try:\n"
+    "            return os.waitpid(pid, flags)\n"
+    "        except ChildProcessError:\n"
+    "            raise Lost(lost(pid)) from None\n"
+    "    poll = subprocess.Popen._internal_poll\n"
+    "    def internal_poll(self, _deadstate=None):\n"
+    "        if _deadstate is not None:\n"
+    "            return poll(self, _deadstate)\n"
+    "        try:\n"
+    "            return poll(self, None, _waitpid=waitpid)\n"
+    "        except Lost as e:\n"
+    "            raise e.args[0] from None\n"
+    "    subprocess.Popen._try_wait = try_wait\n"
+    "    subprocess.Popen._internal_poll = internal_poll\n"
+    "_loom_patch()\n"
+    "del _loom_patch\n";
+
+
 /* start-up */
 
 static int
@@ -242,6 +286,10 @@ loom_py_start_interpreter(const char *home, char *err, size_t err_size)
     }
 
     PyErr_Clear();
+
+    if (PyRun_SimpleString(loom_py_subprocess_patch) != 0) {
+        PyErr_Clear();
+    }
 
     (void) PyEval_SaveThread();
 
@@ -459,6 +507,9 @@ loom_offload_init(loom_offload_init_t *init)
     rt->func = func;
     func = NULL;
     loom_py_rt = NULL;
+
+    snprintf(rt->name, sizeof(rt->name), "%s.%s", module,
+             function ? function : "handle");
     PyGILState_Release(gil);
 
     rt->threads = calloc(rt->nthreads, sizeof(pthread_t));
@@ -595,6 +646,25 @@ loom_py_format_exception(void)
 }
 
 
+static void
+loom_py_log_exception(loom_py_rt_t *rt, const char *exc, size_t len)
+{
+    int    n;
+    char  *msg;
+
+    msg = malloc(sizeof(rt->name) + len + 32);
+    if (msg == NULL) {
+        return;
+    }
+
+    n = sprintf(msg, "python handler %s raised %.*s", rt->name, (int) len,
+                exc);
+
+    rt->host->log(rt->queue, LOOM_OFFLOAD_LOG_ERR, msg, (size_t) n);
+    free(msg);
+}
+
+
 /* one call; the GIL is held */
 static void
 loom_py_serve(loom_py_rt_t *rt, loom_offload_task_t *task)
@@ -670,6 +740,9 @@ error:
         data = "python exception";
         n = (Py_ssize_t) strlen(data);
     }
+
+    /* a bug, not an answer: the log gets it too, with the traceback */
+    loom_py_log_exception(rt, data, (size_t) n);
 
     rt->host->answer(task, LOOM_OFFLOAD_ERROR, data, (size_t) n);
     Py_XDECREF(exc);

@@ -92,6 +92,18 @@ local function args()
 end
 
 
+-- answers with the shared dict `name` as a JSON object (tests keep there
+-- what must outlive a worker)
+function _M.dump_dict(name)
+    local d = ngx.shared[name]
+    local out = {}
+    for _, k in ipairs(d:get_keys(0)) do
+        out[k] = d:get(k)
+    end
+    ngx.say(cjson.encode(out))
+end
+
+
 function _M.handle()
     local bus = events.get()
     local a = args()
@@ -143,7 +155,8 @@ function _M.handle()
     elseif what == "state" then
         ngx.say(cjson.encode(state()))
     elseif what == "collect" then
-        local res, err = bus:collect(a.name or "events_helper", 2)
+        local res, err = bus:collect(a.name or "events_helper",
+                                     tonumber(a.timeout) or 2)
         if not res then
             ngx.status = 500
             ngx.say(err)

@@ -165,6 +165,40 @@ function _M.soak()
 end
 
 
+-- GET /bulk?rt=<name>&mib=<m>&n=<calls>: n calls sending an m MiB
+-- payload (echoed back) and n calls answering m MiB ("big:"), from two
+-- light threads at once; then a full Lua GC. Prints "ok=<n> bad=<n>".
+local function bulk_thread(rt, n, size, payload)
+    local ok, bad = 0, 0
+    for _ = 1, n do
+        local res = rt:call(payload)
+        if res and #res == size then ok = ok + 1 else bad = bad + 1 end
+        res = rt:call("big:" .. size)
+        if res and #res == size then ok = ok + 1 else bad = bad + 1 end
+    end
+    return ok, bad
+end
+
+
+function _M.bulk()
+    local args = ngx.req.get_uri_args()
+    local rt = get(args.rt)
+    local size = (tonumber(args.mib) or 64) * 1024 * 1024
+    local n = tonumber(args.n) or 2
+    local a, b
+    do
+        local payload = "echo:" .. string.rep("x", size)
+        a = spawn(bulk_thread, rt, n, size, payload)
+        b = spawn(bulk_thread, rt, n, size, payload)
+    end
+    local _, ok1, bad1 = wait(a)
+    local _, ok2, bad2 = wait(b)
+    collectgarbage()
+    collectgarbage()
+    ngx_say("ok=", ok1 + ok2, " bad=", bad1 + bad2)
+end
+
+
 -- GET /stats?rt=<name>: rt:stats() as JSON
 function _M.stats()
     local rt = get(ngx_var.arg_rt)

@@ -21,6 +21,9 @@ function _M.init_worker(conf_json)
     local conf = assert(cjson.decode(conf_json))
     local shm = ngx.shared.pubtest
     local record_ids = conf.record_ids
+    -- err_file: on_error also appends a JSON line per call to
+    -- <err_file>.<pid>, which outlives nginx (the shared dict does not)
+    local err_file = conf.err_file
     conf.on_success = function(ids, info)
         shm:incr("ok_ids", #ids, 0)
         shm:incr("ok_batches", 1, 0)
@@ -34,12 +37,20 @@ function _M.init_worker(conf_json)
         for i = 1, #msgs do
             datas[i] = msgs[i].data
         end
-        record("err", { reason = reason, status = info.status,
+        local entry = { reason = reason, status = info.status,
                         attempts = info.attempts, key = info.ordering_key,
                         datas = datas,
-                        attrs = msgs[1] and msgs[1].attributes })
+                        attrs = msgs[1] and msgs[1].attributes }
+        record("err", entry)
+        if err_file then
+            local f = assert(io.open(err_file .. "." .. ngx.worker.pid(),
+                                     "a"))
+            f:write(cjson.encode(entry), "\n")
+            f:close()
+        end
     end
     conf.record_ids = nil
+    conf.err_file = nil
     p = publish.new(conf)
 end
 

@@ -32,6 +32,9 @@ def publisher(nginx, conf, workers=2, http="", server="", **kw):
         init_worker_by_lua_block {
             require("publish_helper").init_worker([==[%s]==])
         }
+        exit_worker_by_lua_block {
+            require("resty.loom.publish").exit_worker()
+        }
     """ % (http, blob), server=SERVER + server, **kw)
     return n
 

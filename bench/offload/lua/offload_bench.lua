@@ -31,31 +31,36 @@ local _M = {}
 
 local payloads = {}
 local runtimes = {}
-local sock_path
+local handlers = {}
+local socks
+local redis_port
 
 
--- libs: { name = { path, opts } }
-function _M.init(libs, sock)
+-- libs: { name = { path, opts[, config, handler] } }; socks: { uds =
+-- "unix:<path>", java_uds = "unix:<path>" }; port: redis-server's
+function _M.init(libs, sockets, port)
     payloads["64"] = string.rep("a", 60) .. "1234"
     payloads["16384"] = string.rep("b", 16380) .. "5678"
     _M.libs = libs
-    sock_path = sock
+    socks = sockets
+    redis_port = tostring(port)
 end
 
 
 function _M.init_worker()
     for name, lib in pairs(_M.libs) do
         -- the variant's name in the configuration: one instance each
-        runtimes[name] = assert(offload.load(lib[1], "mode=echo variant="
-                                             .. name, lib[2]))
+        runtimes[name] = assert(offload.load(lib[1], lib[3] or
+                                             ("mode=echo variant=" .. name),
+                                             lib[2]))
+        handlers[name] = lib[4]
     end
 end
 
 
-local function uds_call(p)
+local function uds_call(m, p)
     local sock = ngx.socket.tcp()
-    local ok, err = sock:connect(sock_path, { pool = "echo",
-                                              pool_size = 128 })
+    local ok, err = sock:connect(socks[m], { pool = m, pool_size = 128 })
     if not ok then
         return nil, err
     end
@@ -100,6 +105,38 @@ local function echo_none(p)
 end
 
 
+-- the jobs: the same function in the Lua runtime and in run_worker_thread
+local JOBS = {
+    lua_io = { "lua_job", "io_cpu" }, thread_io = { false, "io_cpu" },
+    lua_cpu = { "lua_job", "cpu" }, thread_cpu = { false, "cpu" },
+}
+
+
+local function job(m)
+    local rt_name, fn = JOBS[m][1], JOBS[m][2]
+    local rt = runtimes[rt_name]
+    if rt_name and not rt then
+        return nil
+    end
+    return function(p)
+        local ok, res
+        if rt then
+            res, ok = rt:call("offload_bench_job." .. fn, redis_port)
+        else
+            ok, res = run_worker_thread("default", "offload_bench_job", fn,
+                                        redis_port)
+            if not ok then
+                return nil, res
+            end
+        end
+        if not res then
+            return nil, ok
+        end
+        return p
+    end
+end
+
+
 local function mechanism(m)
     if m == "none" then
         return echo_none
@@ -107,12 +144,23 @@ local function mechanism(m)
     if m == "thread" then
         return thread_call
     end
-    if m == "uds" then
-        return uds_call
+    if socks[m] then
+        return function(p)
+            return uds_call(m, p)
+        end
+    end
+    if JOBS[m] then
+        return job(m)
     end
     local rt = runtimes[m]
     if not rt then
         return nil
+    end
+    local handler = handlers[m]
+    if handler then
+        return function(p)
+            return rt:call(handler, p)
+        end
     end
     return function(p)
         return rt:call(p)

@@ -55,6 +55,7 @@ local T_PONG = frame.PONG
 local T_REJECT = frame.REJECT
 local T_HELLO = frame.HELLO
 local T_BYE = frame.BYE
+local T_URGENT = frame.URGENT
 local FRAME_SIZE = frame.FRAME_SIZE
 local EVENT_SIZE = frame.EVENT_SIZE
 local ALL = frame.ALL
@@ -77,7 +78,17 @@ local ACK_DELAY = 0.01
 local CONNECT_TIMEOUT = 2
 local SEND_TIMEOUT = 30
 local LOG_INTERVAL = 10
+-- an exiting worker's bus stays up until this long after its last publish
+-- (its requests and timers may go on publishing for a while)
+local EXIT_QUIET = 0.5
 local MAX_PAYLOAD_LIMIT = 64 * 1024 * 1024
+-- default bound of the events waiting for one subscriber, in its inbox and
+-- again at the broker: what a stalled handler leaves stale before drops
+local BACKLOG = 10000
+-- beyond these, an option is a mistake
+local MAX_EVENTS = 100000000
+local MAX_BYTES = 2 ^ 40
+local MAX_SECONDS = 86400
 local UNIQUE_KEY_MAX = frame.KEY_MAX
 -- queue bytes the largest event takes beyond its body: event header, the
 -- longest unique key, each frame's header and trailer (256 frames at most)
@@ -87,6 +98,7 @@ local EVENT_ROOM = 8192
 -- rest are published (publish-to-handler p99 at half the raw bus's rate:
 -- 1.5-3.9 ms with 1,000, 0.09 ms with 64)
 local BURST = 64
+local HANDLER_SHARE = 2     -- handlers may fill 1/2 of the publisher queue
 local STAMP_EVERY = 8       -- latency sampling, see publish()
 local WAIT_PHASES = {
     rewrite = true, access = true, content = true, timer = true,
@@ -97,6 +109,7 @@ local DEFAULTS = {
     broker = 0,
     max_queue = 100000,
     max_queue_bytes = 64 * 1024 * 1024,
+    max_backlog = false,        -- min(max_queue, BACKLOG)
     max_payload = 1024 * 1024,
     overflow = "reject",
     wait_timeout = 1,
@@ -200,12 +213,13 @@ local function check_opts(opts)
                   .. (hi and (" and <= " .. hi) or ""), 4)
         end
     end
-    -- (seconds: nginx's timers count whole milliseconds)
+    -- (seconds: nginx's timers count whole milliseconds; NaN compares
+    -- false with everything, so it fails "lo <= v")
     local function seconds(name, lo)
         local v = o[name]
-        if type(v) ~= "number" or v < lo then
+        if type(v) ~= "number" or not (lo <= v and v <= MAX_SECONDS) then
             error("opts." .. name .. " must be a number >= " .. lo
-                  .. " (seconds)", 4)
+                  .. " and <= " .. MAX_SECONDS .. " (seconds)", 4)
         end
     end
 
@@ -213,8 +227,12 @@ local function check_opts(opts)
         o.slow_timeout = 2 * (tonumber(o.heartbeat) or 1)
     end
     int("broker", 0)
-    int("max_queue", 1)
-    int("max_queue_bytes", 1024)
+    int("max_queue", 1, MAX_EVENTS)
+    if not o.max_backlog then
+        o.max_backlog = min(o.max_queue, BACKLOG)
+    end
+    int("max_backlog", 1, MAX_EVENTS)
+    int("max_queue_bytes", 1024, MAX_BYTES)
     int("max_payload", 1, MAX_PAYLOAD_LIMIT)
     seconds("wait_timeout", 0.001)
     seconds("unique_window", 0.001)
@@ -270,6 +288,8 @@ function _M.new(opts)
         others_seq = 0,
         direct_seq = {},
         unsent = buf_new(65536),
+        urgent = buf_new(256),      -- urgent events (collect) to send
+        local_link = nil,           -- the broker worker's link to it
         spare = buf_new(65536),     -- the broker worker's second unsent
         unsent_q = fifo.new(),      -- (seq, bytes) per unsent event
         unacked = buf_new(65536),
@@ -283,6 +303,8 @@ function _M.new(opts)
         burst = 0,                  -- publishes since burst_at (ngx.now())
         burst_at = 0,
         stamp_ms = 0,               -- ngx.now() of the last latency sample
+        last_publish = 0,           -- ngx.now() of the last publish
+        stopping = false,           -- exiting: the bus has closed
 
         -- receiving
         inbox = ring.new(),         -- events for the handlers
@@ -321,6 +343,7 @@ function _M.new(opts)
             dropped = {},           -- reason -> count
             gaps = 0,
             duplicates = 0,
+            feedback = 0,           -- handlers publishing what they handle
             reconnects = 0,
             rejected = 0,
         },
@@ -420,6 +443,8 @@ local function run_handler(self, sub, data, event, source, wid, pid)
 end
 
 
+local send_urgent
+
 local function handle_internal(self, event, data, wid)
     if event == "collect" then
         local fn = collectors[data.name]
@@ -431,8 +456,14 @@ local function handle_internal(self, event, data, wid)
                 value = nil
             end
         end
-        self:publish(wid == AGENT and "agent" or wid, INTERNAL, "collected",
-                     { id = data.id, worker = self.worker, value = value })
+        local err
+        ok, err = pcall(send_urgent, self, wid, "collected",
+                        { id = data.id, worker = self.worker,
+                          value = value })
+        if not ok then
+            log(ERR, "failed to answer collect(\"", data.name, "\"): ",
+                err)
+        end
 
     elseif event == "collected" then
         local pend = self.collecting and self.collecting[data.id]
@@ -442,6 +473,62 @@ local function handle_internal(self, event, data, wid)
             pend.sema:post(1)
         end
     end
+end
+
+
+-- collect's requests and answers are urgent events (see frame.lua): sent
+-- ahead of what is queued and handled on arrival, so that a bus full of
+-- events (a feedback loop, a slow handler) still answers. An answer too
+-- large for one frame takes the ordinary way. To this worker (or "all"):
+-- handled here as well. Raises when data cannot be serialised.
+function send_urgent(self, target, event, data)
+    local size = frame.encode_body(INTERNAL, event, data)
+    if size + EVENT_SIZE > CHUNK then
+        local ok, err = self:publish(target == ALL and "all"
+                                     or target == AGENT and "agent"
+                                     or target, INTERNAL, event, data)
+        if not ok then
+            log(ERR, "failed to send ", event, ": ", err)
+        end
+        return
+    end
+    local link = self.local_link
+    if target ~= self.worker and link then
+        -- the broker worker: straight to the broker (its writer may be
+        -- waiting there for room, with a batch of events)
+        local out = buf_new(256)
+        frame.put_urgent(out, target, self.worker, self.pid,
+                         self.incarnation)
+        local ok, err = broker.take_local(self, link, out)
+        if not ok then
+            log(ERR, "failed to hand an urgent event to the broker: ", err)
+        end
+    elseif target ~= self.worker then
+        frame.put_urgent(self.urgent, target, self.worker, self.pid,
+                         self.incarnation)
+        if self.writer_idle then
+            self.writer_idle = false
+            self.wsema:post(1)
+        end
+    end
+    if target == ALL or target == self.worker then
+        handle_internal(self, event, data, self.worker)
+    end
+end
+
+
+local function receive_urgent(self, p, len)
+    local e, why = frame.check_event(p, len)
+    if not e then
+        return nil, why
+    end
+    local ok, source, event, data = pcall(frame.decode_body, p + EVENT_SIZE,
+                                          e.body_len)
+    if not ok or source ~= INTERNAL or type(data) ~= "table" then
+        return nil, "bad urgent event"
+    end
+    handle_internal(self, event, data, e.publisher)
+    return true
 end
 
 
@@ -478,6 +565,7 @@ local function dispatch_next(self, me)
     end
     local d = self.dispatch
     d[1], d.waiting = me, false
+    d.source, d.event = source, event
     dispatch(self, source, event, data, wid, pid)
     d[1] = nil
     return true
@@ -630,6 +718,12 @@ local function consume(self, rbuf, st)
         elseif typ == T_ACK then
             on_ack(self, frame_seq(h))
 
+        elseif typ == T_URGENT then
+            ok, err = receive_urgent(self, pp, h.len)
+            if not ok then
+                return nil, err
+            end
+
         elseif typ == T_REJECT then
             local _, reason = pcall(frame.decode_control, pp, h.len)
             return nil, "rejected by the broker: " .. tostring(reason)
@@ -648,7 +742,7 @@ end
 -- handler waits for room to publish (see make_room)
 local function wait_inbox_room(self, link)
     local d = self.dispatch
-    while inbox_len(self) >= self.opts.max_queue and not link.closed
+    while inbox_len(self) >= self.opts.max_backlog and not link.closed
           and not (d.waiting and d[1]) do
         self.rwaiters = self.rwaiters + 1
         self.rspace:wait(1)
@@ -736,9 +830,12 @@ local function writer(self, sock, link)
     local last_send = ngx_now()
     local hb = self.opts.heartbeat
     while true do
-        if #self.unsent == 0 then
+        if #self.unsent == 0 and #self.urgent == 0 then
             if self.stopping then
-                if not send(sock, link, control(T_BYE)) then
+                -- what we received goes confirmed: the broker counts
+                -- the rest as dropped for us
+                if not send(sock, link, control(T_ACK, link.got)
+                                        .. control(T_BYE)) then
                     return nil, link.error
                 end
                 return true
@@ -752,6 +849,12 @@ local function writer(self, sock, link)
         end
         if link.closed then
             return true
+        end
+        if #self.urgent > 0 then
+            if not send(sock, link, self.urgent:get()) then
+                return nil, link.error
+            end
+            last_send = ngx_now()
         end
         local got = link.got
         if got > link.acked
@@ -855,10 +958,17 @@ local function run_local(self)
             return nil, err
         end
         return true
+    end, function(p, len)
+        local ok, err = receive_urgent(self, p, len)
+        if not ok then
+            log(ERR, "failed to handle an urgent event: ", err)
+        end
     end)
+    self.local_link = link.conn
     self.connected = true
     self.ready = true
     local_writer(self, link)
+    self.local_link = nil
     link.closed = true
     self.rspace:post(1)
     broker.detach_local(self, link.conn)
@@ -1017,33 +1127,50 @@ local function client_loop(premature, self)
         ngx_sleep(backoff * (0.5 + random()))
         backoff = min(backoff * 2, 1)
     end
+    -- (only at exit: publishes from now on would never leave)
+    self.stopping = true
     self.connected = false
     self.isema:post(1)
 end
 
 
--- At worker exit: send what is queued, wait for the acks, then stop.
+-- At worker exit the bus stays up while the worker uses it: until
+-- EXIT_QUIET s after its last publish, everything sent and acknowledged,
+-- every handler run, and (on the broker worker) every other worker gone.
+-- Then it says goodbye and publish() returns "closed". Waiting on
+-- something that makes no progress (an unreachable broker, a handler
+-- stuck) ends exit_timeout s after the last publish; what is left then is
+-- counted and logged.
 local function exit_watch(premature, self)
     if not premature then
         return
     end
-    local deadline = ngx_now() + self.opts.exit_timeout
-    while self.pending > 0 and ngx_now() < deadline do
+    local timeout = self.opts.exit_timeout
+    local is_broker = self.worker == self.opts.broker
+    local since = ngx_now()     -- the worker's last use of the bus
+    while true do
+        ngx.update_time()
+        local now = ngx_now()
+        local peers = is_broker and broker.peers(self) > 0
+        if peers or self.last_publish > since then
+            since = peers and now or self.last_publish
+        end
+        if now - since >= EXIT_QUIET and self.pending == 0
+           and inbox_len(self) == 0 then
+            break
+        end
+        if now - since >= timeout and now - since >= EXIT_QUIET then
+            break
+        end
         self.wsema:post(1)
         ngx_sleep(0.01)
-        ngx.update_time()
     end
+    self.stopping = true
     if self.pending > 0 then
+        count(self.counters.dropped, "exit", self.pending)
         log(WARN, "worker exiting with ", self.pending,
             " event(s) not acknowledged by the broker")
     end
-    -- let the handlers drain the inbox
-    deadline = ngx_now() + self.opts.exit_timeout
-    while inbox_len(self) > 0 and ngx_now() < deadline do
-        ngx_sleep(0.01)
-        ngx.update_time()
-    end
-    self.stopping = true
     self.wsema:post(1)
     self.isema:post(1)
 end
@@ -1113,15 +1240,26 @@ function _M.serve(self)
 end
 
 
-local function full(self, bytes)
+-- share: 1, or HANDLER_SHARE for a publish from a handler, which may only
+-- fill that part of the queue: a handler that publishes what it handles
+-- (a feedback loop) leaves the rest to the worker's requests and timers
+local function full(self, bytes, share)
     local opts = self.opts
-    return self.pending >= opts.max_queue
-           or self.pending_bytes + bytes > opts.max_queue_bytes
+    return self.pending * share >= opts.max_queue
+           or (self.pending_bytes + bytes) * share > opts.max_queue_bytes
 end
 
 
-local function make_room(self, bytes)
-    if not full(self, bytes) then
+-- true when the running coroutine is in a handler (dispatch)
+local function in_handler(self)
+    local d1 = self.dispatch[1]
+    -- (coroutine.running() only then: it is not compiled)
+    return d1 ~= nil and d1 == co_running()
+end
+
+
+local function make_room(self, bytes, share, source, event)
+    if not full(self, bytes, share) then
         return true, false
     end
     local opts = self.opts
@@ -1129,7 +1267,7 @@ local function make_room(self, bytes)
     local waited = false
     if policy == "drop_oldest" then
         local q = self.unsent_q
-        while full(self, bytes) do
+        while full(self, bytes, share) do
             local s, b = q:pop()
             if not s then
                 break
@@ -1147,15 +1285,15 @@ local function make_room(self, bytes)
         -- the handlers up, so the reader must go on reading meanwhile, or
         -- each would wait for the other until wait_timeout.
         local d = self.dispatch
-        local in_handler = d[1] == co_running()
-        if in_handler then
+        local handler = share > 1
+        if handler then
             d.waiting = true
             if self.rwaiters > 0 then
                 self.rspace:post(self.rwaiters)
             end
         end
         local deadline = ngx_now() + opts.wait_timeout
-        while full(self, bytes) do
+        while full(self, bytes, share) do
             local left = deadline - ngx_now()
             if left <= 0 then
                 break
@@ -1165,14 +1303,26 @@ local function make_room(self, bytes)
             self.space:wait(max(left, 0.001))
             waited = true
         end
-        if in_handler then
+        if handler then
             d.waiting = false
         end
     end
-    if full(self, bytes) then
-        count(self.counters.dropped, "queue full")
-        warn_once(self, "full", "queue full: publish refused; ",
-                  self.counters.dropped["queue full"], " so far")
+    if full(self, bytes, share) then
+        local dropped = self.counters.dropped
+        if share == 1 or full(self, bytes, 1) then
+            count(dropped, "queue full")
+            warn_once(self, "full", "queue full: publish refused; ",
+                      dropped["queue full"], " so far")
+        else
+            -- refused for a handler only: name what it handles
+            local d = self.dispatch
+            count(dropped, "handler share")
+            warn_once(self, "share", "handlers fill their half of the "
+                      .. "queue: publish refused to the handler of source=",
+                      d.source, " event=", d.event, " (publishing source=",
+                      source, " event=", event, "); ",
+                      dropped["handler share"], " so far")
+        end
         return nil
     end
     return true, waited
@@ -1226,6 +1376,15 @@ function _M.publish(self, target, source, event, data)
     if not self.initialized then
         return nil, "not initialized"
     end
+    if self.stopping then
+        -- the worker is exiting and its bus has said goodbye: nothing
+        -- published now would leave the worker, or be handled
+        count(self.counters.dropped, "closed")
+        warn_once(self, "closed", "worker exiting: publish refused, the "
+                  .. "bus is closed; ", self.counters.dropped.closed,
+                  " so far")
+        return nil, "closed"
+    end
 
     local stats = self.counters.published
     if kind == LOCAL then
@@ -1259,7 +1418,22 @@ function _M.publish(self, target, source, event, data)
         count(stats, kind == AGENT and "agent" or "worker")
         return true
     end
-    local room, waited = make_room(self, size + EVENT_SIZE + 64)
+    local handler = in_handler(self)
+    if handler then
+        local d = self.dispatch
+        if source == d.source and event == d.event then
+            -- a handler publishing what it handles: a feedback loop, if it
+            -- does so for every one
+            local c = self.counters
+            c.feedback = c.feedback + 1
+            warn_once(self, "feedback", "a handler of source=", source,
+                      " event=", event, " published the same event (a "
+                      .. "feedback loop?); ", c.feedback, " so far")
+        end
+    end
+    local room, waited = make_room(self, size + EVENT_SIZE + 64,
+                                   handler and HANDLER_SHARE or 1, source,
+                                   event)
     if not room then
         return nil, "queue full"
     end
@@ -1287,6 +1461,10 @@ function _M.publish(self, target, source, event, data)
     -- both ends, a tenth of an event at full rate; 0 is "not sampled"
     local now = 0
     local ms = ngx_now()
+    if not handler then
+        -- (what handlers publish keeps no exiting bus up: see exit_watch)
+        self.last_publish = ms
+    end
     if ms ~= self.stamp_ms or seq % STAMP_EVERY == 0 then
         self.stamp_ms = ms
         now = mono()
@@ -1423,6 +1601,7 @@ function _M.stats(self)
         dropped = s.dropped,
         gaps = s.gaps,
         duplicates = s.duplicates,
+        feedback = s.feedback,
         reconnects = s.reconnects,
         rejected = s.rejected,
         queue = {
@@ -1460,11 +1639,16 @@ function _M.collect(self, name, timeout)
     self.collecting = self.collecting or {}
     local pend = { results = {}, n = 0, sema = semaphore.new() }
     self.collecting[id] = pend
-    local ok, err = self:publish("all", INTERNAL, "collect",
-                                 { name = name, id = id })
-    if not ok then
+    local err = not self.initialized and "not initialized"
+                or self.stopping and "closed"
+    if not err then
+        local ok, e = pcall(send_urgent, self, ALL, "collect",
+                            { name = name, id = id })
+        err = not ok and e
+    end
+    if err then
         self.collecting[id] = nil
-        return nil, "failed to collect: " .. err
+        return nil, "failed to collect: " .. tostring(err)
     end
     local want = self.worker_count + (self.opts.privileged_agent and 1 or 0)
     local deadline = ngx_now() + timeout

@@ -1,11 +1,19 @@
 -- A small HTTP/1.1 client over cosockets: keep-alive connection pool, TLS
--- with certificate verification, connect/send/read timeouts, Content-Length
--- and chunked bodies. One client object per origin (scheme, host, port).
+-- with certificate verification, connect/send/read timeouts under one limit
+-- for the whole request (name resolution included), Content-Length and
+-- chunked bodies. One client object per origin (scheme, host, port).
 
 
 local buffer = require "string.buffer"
+local semaphore = require "ngx.semaphore"
 
 local ngx_socket_tcp = ngx.socket.tcp
+local ngx_now = ngx.now
+local ngx_update_time = ngx.update_time
+local thread_spawn = ngx.thread.spawn
+local thread_kill = ngx.thread.kill
+local sema_new = semaphore.new
+local min = math.min
 local buf_new = buffer.new
 local concat = table.concat
 local type = type
@@ -23,6 +31,12 @@ local pcall = pcall
 local DEFAULT_PORTS = { http = 80, https = 443 }
 local MAX_HEADER_LINES = 200
 local DEFAULT_MAX_BODY = 64 * 1024 * 1024
+local OPTIONS = {
+    url = true, scheme = true, host = true, port = true, ssl_verify = true,
+    server_name = true, connect_timeout = true, send_timeout = true,
+    read_timeout = true, timeout = true, keepalive_timeout = true,
+    pool_size = true, max_body = true,
+}
 
 
 local _M = { _VERSION = "0.1.0" }
@@ -63,13 +77,26 @@ function _M.parse_url(url)
 end
 
 
+-- true for an IPv4 or IPv6 literal: connecting to it needs no resolver
+local function is_ip(host)
+    return find(host, ":", 1, true) ~= nil
+           or match(host, "^%d+%.%d+%.%d+%.%d+$") ~= nil
+end
+
+
 -- opts: url or scheme/host/port; ssl_verify (default true), server_name,
 -- connect_timeout, send_timeout, read_timeout (seconds, default 5),
--- keepalive_timeout (seconds, default 60), pool_size (default 32),
--- max_body (bytes, default 64 MiB)
+-- timeout (the whole request, default their sum), keepalive_timeout
+-- (seconds, default 60), pool_size (default 32), max_body (bytes, default
+-- 64 MiB)
 function _M.new(opts)
     if type(opts) ~= "table" then
         error("opts must be a table", 2)
+    end
+    for k in pairs(opts) do
+        if not OPTIONS[k] then
+            error("opts." .. tostring(k) .. ": unknown option", 2)
+        end
     end
     local scheme, host, port = opts.scheme or "http", opts.host, opts.port
     if opts.url ~= nil then
@@ -85,7 +112,9 @@ function _M.new(opts)
         error("opts.host must be a non-empty string", 2)
     end
     port = port or DEFAULT_PORTS[scheme]
-    if type(port) ~= "number" or port < 1 or port > 65535 then
+    if type(port) ~= "number" or not (port >= 1 and port <= 65535)
+       or port % 1 ~= 0
+    then
         error("opts.port must be a port number", 2)
     end
     local function secs(name, default)
@@ -93,22 +122,44 @@ function _M.new(opts)
         if v == nil then
             return default
         end
-        if type(v) ~= "number" or v <= 0 then
-            error("opts." .. name .. " must be a positive number", 3)
+        if type(v) ~= "number" or not (v > 0 and v < 1e9) then
+            error("opts." .. name .. " must be a number of seconds above 0",
+                  3)
         end
         return v
     end
+    local connect_timeout = secs("connect_timeout", 5)
+    local send_timeout = secs("send_timeout", 5)
+    local read_timeout = secs("read_timeout", 5)
+    local timeout = secs("timeout",
+                         connect_timeout + send_timeout + read_timeout)
     local ssl_verify = opts.ssl_verify
+    if ssl_verify ~= nil and type(ssl_verify) ~= "boolean" then
+        error("opts.ssl_verify must be a boolean", 2)
+    end
     if ssl_verify == nil then
         ssl_verify = true
     end
+    local pool_size = opts.pool_size or 32
+    if type(pool_size) ~= "number" or not (pool_size >= 1
+                                           and pool_size <= 100000)
+       or pool_size % 1 ~= 0
+    then
+        error("opts.pool_size must be a whole number from 1 to 100000", 2)
+    end
+    local max_body = opts.max_body or DEFAULT_MAX_BODY
+    if type(max_body) ~= "number" or not (max_body >= 0 and max_body <= 2^40)
+    then
+        error("opts.max_body must be a number of bytes from 0 to 2^40", 2)
+    end
     local server_name = opts.server_name
+    if server_name ~= nil and (type(server_name) ~= "string"
+                               or server_name == "")
+    then
+        error("opts.server_name must be a non-empty string", 2)
+    end
     if server_name == nil and scheme == "https" then
         server_name = host
-    end
-    local pool_size = opts.pool_size or 32
-    if type(pool_size) ~= "number" or pool_size < 1 then
-        error("opts.pool_size must be a positive number", 2)
     end
     local host_header = host
     if port ~= DEFAULT_PORTS[scheme] then
@@ -128,15 +179,20 @@ function _M.new(opts)
         ssl_verify = ssl_verify and true or false,
         server_name = server_name,
         host_header = host_header,
-        connect_timeout = secs("connect_timeout", 5) * 1000,
-        send_timeout = secs("send_timeout", 5) * 1000,
-        read_timeout = secs("read_timeout", 5) * 1000,
+        named = not is_ip(host),
+        connect_timeout = connect_timeout * 1000,
+        send_timeout = send_timeout * 1000,
+        read_timeout = read_timeout * 1000,
+        timeout = timeout,
         keepalive_timeout = secs("keepalive_timeout", 60) * 1000,
         pool_size = pool_size,
-        max_body = opts.max_body or DEFAULT_MAX_BODY,
-        pool = concat({ scheme, host, tostring(port), server_name or "",
-                        ssl_verify and "v" or "n" }, ":"),
+        max_body = max_body,
+        pool_opts = { pool = concat({ scheme, host, tostring(port),
+                                      server_name or "",
+                                      ssl_verify and "v" or "n" }, ":") },
         -- counters
+        idle = 0,           -- connections this client left in the pool
+        idle_until = 0,     -- when the last of them times out there
         connects = 0,
         reuses = 0,
         requests = 0,
@@ -145,13 +201,91 @@ function _M.new(opts)
 end
 
 
-local function connect(self)
+-- milliseconds left before deadline (ngx.now() seconds)
+local function left_ms(deadline)
+    ngx_update_time()
+    return (deadline - ngx_now()) * 1000
+end
+
+
+-- sets the socket's timeouts to its own, cut to what is left of the
+-- request; false when nothing is left
+local function arm(self, sock, deadline)
+    local left = left_ms(deadline)
+    if left < 1 then
+        return false
+    end
+    sock:settimeouts(min(self.connect_timeout, left),
+                     min(self.send_timeout, left),
+                     min(self.read_timeout, left))
+    return true
+end
+
+
+local function connect_in_thread(sock, host, port, opts, done, out)
+    out[1], out[2] = sock:connect(host, port, opts)
+    done:post(1)
+end
+
+
+-- Connects to a host name. nginx's resolver waits resolver_timeout (30 s
+-- by default) for an answer, whatever the socket's connect timeout; the
+-- connect runs in a light thread and is abandoned when the limit passes.
+-- (Each light thread costs its request memory until the request ends, so
+-- this is kept for connects that may resolve: see connect().)
+local function connect_named(self, sock, limit_ms)
+    local done = sema_new(0)
+    local out = {}
+    local t, err = thread_spawn(connect_in_thread, sock, self.host,
+                                self.port, self.pool_opts, done, out)
+    if not t then
+        return nil, err
+    end
+    if not done:wait(limit_ms / 1000) then
+        thread_kill(t)
+        sock:close()
+        return nil, "timeout"
+    end
+    return out[1], out[2]
+end
+
+
+-- a connect error that trying again will not cure: no resolver, or the
+-- name does not exist (NXDOMAIN)
+local function permanent_connect_error(err)
+    return find(err, "no resolver defined", 1, true) ~= nil
+           or find(err, "(3: ", 1, true) ~= nil
+end
+
+
+-- sock, reused or nil, err, permanent
+local function connect(self, deadline)
     local sock = ngx_socket_tcp()
-    sock:settimeouts(self.connect_timeout, self.send_timeout,
-                     self.read_timeout)
-    local ok, err = sock:connect(self.host, self.port, { pool = self.pool })
+    if not arm(self, sock, deadline) then
+        return nil, "failed to connect: timeout"
+    end
+    -- A name is resolved only when the pool has no idle connection: while
+    -- this client left some there, connect straight away (no thread).
+    local ok, err
+    local pooled = self.idle
+    if pooled > 0 and ngx_now() >= self.idle_until then
+        pooled = 0      -- the pool's keepalive timeout closed them
+        self.idle = 0
+    end
+    if self.named and pooled == 0 then
+        ok, err = connect_named(self, sock,
+                                min(self.connect_timeout, left_ms(deadline)))
+    else
+        ok, err = sock:connect(self.host, self.port, self.pool_opts)
+    end
+    if pooled > 0 then
+        -- one fewer idle; none at all if the pool had none left (the
+        -- server closed them)
+        self.idle = (ok and sock:getreusedtimes() > 0) and pooled - 1 or 0
+    end
     if not ok then
-        return nil, "failed to connect: " .. err
+        return nil, "failed to connect: " .. err,
+               permanent_connect_error(err)
     end
     local reused = sock:getreusedtimes()
     if reused == 0 then
@@ -167,7 +301,12 @@ local function connect(self)
             end
             if not sess then
                 sock:close()
-                return nil, "failed to handshake: " .. tostring(herr)
+                herr = tostring(herr)
+                -- a certificate that does not verify (OpenSSL's "N: text",
+                -- a name mismatch) will not verify on the next try either
+                return nil, "failed to handshake: " .. herr,
+                       find(herr, "^%d+: ") ~= nil
+                       or find(herr, "certificate", 1, true) ~= nil
             end
         end
 
@@ -359,14 +498,20 @@ local function build(self, method, path, headers, body)
 end
 
 
--- c:request(method, path, headers, body) -> res or nil, err
+-- c:request(method, path, headers, body, timeout) -> res or nil, err,
+-- permanent
+--   timeout: seconds for the whole request (default: the client's)
+--   permanent: true when trying again cannot help (no resolver, unknown
+--   host, certificate not verified)
 --   headers: nil, a table (name -> value or list of values) or a string of
 --   ready "Name: value\r\n" lines; body: nil, a string or a list of strings.
 --   res = { status = 200, headers = { ["content-type"] = ... }, body = "",
 --           reused = <times the connection was reused before> }
 -- A request on a reused keep-alive connection that the server had already
 -- closed (nothing received back) is sent again once on a new connection.
-function _M.request(self, method, path, headers, body)
+function _M.request(self, method, path, headers, body, timeout)
+    ngx_update_time()
+    local deadline = ngx_now() + (timeout or self.timeout)
     local head = build(self, method, path or "/", headers, body)
     local data = head
     if type(body) == "table" then
@@ -380,12 +525,21 @@ function _M.request(self, method, path, headers, body)
     self.requests = self.requests + 1
 
     for attempt = 1, 2 do
-        local sock, reused = connect(self)
+        local sock, reused, permanent = connect(self, deadline)
         if not sock then
-            return nil, reused
+            return nil, reused, permanent
         end
-        local ok, err = sock:send(data)
+        local ok, err
+        if arm(self, sock, deadline) then
+            ok, err = sock:send(data)
+        else
+            err = "timeout"
+        end
         local res, keep, got_any
+        if ok and not arm(self, sock, deadline) then
+            ok, err = nil, "timeout"
+            got_any = true      -- sent: never send it again
+        end
         if ok then
             res, keep, got_any = read_response(sock, method, self.max_body)
             if not res then
@@ -394,7 +548,14 @@ function _M.request(self, method, path, headers, body)
         end
         if res then
             if keep then
-                sock:setkeepalive(self.keepalive_timeout, self.pool_size)
+                if sock:setkeepalive(self.keepalive_timeout,
+                                     self.pool_size)
+                   and self.idle < self.pool_size
+                then
+                    self.idle = self.idle + 1
+                    self.idle_until = ngx_now()
+                                      + self.keepalive_timeout / 1000
+                end
             else
                 sock:close()
             end
@@ -406,7 +567,7 @@ function _M.request(self, method, path, headers, body)
            or (err ~= "closed" and not find(err, "reset", 1, true)
                and not find(err, "broken pipe", 1, true))
         then
-            if ok then
+            if ok or got_any then
                 return nil, "failed to read response: " .. err
             end
             return nil, "failed to send request: " .. err
@@ -430,6 +591,7 @@ function _M.request_uri(url, params)
         ssl_verify = params.ssl_verify,
         server_name = params.server_name,
         connect_timeout = t, send_timeout = t, read_timeout = t,
+        timeout = t,
     })
     return c:request(params.method or "GET", path, params.headers,
                      params.body)

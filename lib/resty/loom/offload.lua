@@ -41,6 +41,7 @@ local tostring = tostring
 local setmetatable = setmetatable
 local str_find = string.find
 local pcall = pcall
+local pairs = pairs
 local math_floor = math.floor
 
 
@@ -71,12 +72,14 @@ typedef struct {
     double  polled;
     double  polled_hits;
     double  peak_queued;
+    double  reclaimed;
+    double  misused;
 } ngx_loom_offload_stats_t;
 
 int ngx_loom_offload_ffi_load(const char *path, const char *config,
     size_t config_len, int threads, int bound, int grace_ms, int spin_us,
-    int poll_us, int global, loom_offload_queue_t **out, unsigned char *err,
-    size_t *errlen);
+    int poll_us, int reclaim_ms, int global, loom_offload_queue_t **out,
+    unsigned char *err, size_t *errlen);
 int ngx_loom_offload_ffi_poll(loom_offload_task_t *t);
 int ngx_loom_offload_ffi_submit(ngx_http_request_t *r,
     loom_offload_queue_t *q, const char *data, size_t len,
@@ -124,6 +127,22 @@ local DEFAULT_TIMEOUT = 10
 local DEFAULT_GRACE = 5
 local DEFAULT_SPIN_US = 60
 local DEFAULT_POLL_US = 10
+local DEFAULT_RECLAIM = 60
+-- ngx.semaphore waits take an int of milliseconds: about 24.8 days
+local MAX_TIMEOUT = 2e6
+
+-- option: { default, min, max, integer }; min is exclusive when 0 is
+-- not allowed (see check_number)
+local LOAD_OPTS = {
+    threads = { DEFAULT_THREADS, 1, 1024, true },
+    queue = { DEFAULT_QUEUE, 1, 1e8, true },
+    timeout = { DEFAULT_TIMEOUT, 0.001, MAX_TIMEOUT },
+    grace = { DEFAULT_GRACE, 0, 86400 },
+    spin_us = { DEFAULT_SPIN_US, 0, 1e6, true },
+    poll_us = { DEFAULT_POLL_US, 0, 1e6, true },
+    reclaim = { DEFAULT_RECLAIM, 0.001, MAX_TIMEOUT },
+    global = false,
+}
 
 local STATES = { [0] = "starting", "ready", "failed", "closed" }
 
@@ -176,15 +195,20 @@ local function resolve_path(name)
 end
 
 
-local function check_number(opts, key, default, min, int)
+local function check_number(opts, key, spec)
     local v = opts[key]
     if v == nil then
-        return default
+        return spec[1]
     end
 
-    if type(v) ~= "number" or v < min or (int and v ~= math_floor(v)) then
+    local min, max, int = spec[2], spec[3], spec[4]
+
+    -- NaN fails every comparison: written so that it is refused
+    if type(v) ~= "number" or not (v >= min and v <= max)
+       or (int and v ~= math_floor(v))
+    then
         error("opts." .. key .. " must be " .. (int and "an integer" or
-              "a number") .. " >= " .. min, 3)
+              "a number") .. " from " .. min .. " to " .. max, 3)
     end
 
     return v
@@ -204,19 +228,27 @@ function _M.load(name, config, opts)
         error("config must be a string", 2)
     end
 
-    if opts ~= nil and type(opts) ~= "table" then
+    -- nil or false: no options (`t and { timeout = t }` is common)
+    if opts and type(opts) ~= "table" then
         error("opts must be a table", 2)
     end
 
     config = config or ""
     opts = opts or {}
 
-    local threads = check_number(opts, "threads", DEFAULT_THREADS, 1, true)
-    local queue = check_number(opts, "queue", DEFAULT_QUEUE, 1, true)
-    local timeout = check_number(opts, "timeout", DEFAULT_TIMEOUT, 0.001)
-    local grace = check_number(opts, "grace", DEFAULT_GRACE, 0)
-    local spin_us = check_number(opts, "spin_us", DEFAULT_SPIN_US, 0, true)
-    local poll_us = check_number(opts, "poll_us", DEFAULT_POLL_US, 0, true)
+    for k in pairs(opts) do
+        if LOAD_OPTS[k] == nil then
+            error("opts." .. tostring(k) .. ": unknown option", 2)
+        end
+    end
+
+    local threads = check_number(opts, "threads", LOAD_OPTS.threads)
+    local queue = check_number(opts, "queue", LOAD_OPTS.queue)
+    local timeout = check_number(opts, "timeout", LOAD_OPTS.timeout)
+    local grace = check_number(opts, "grace", LOAD_OPTS.grace)
+    local spin_us = check_number(opts, "spin_us", LOAD_OPTS.spin_us)
+    local poll_us = check_number(opts, "poll_us", LOAD_OPTS.poll_us)
+    local reclaim = check_number(opts, "reclaim", LOAD_OPTS.reclaim)
 
     if opts.global ~= nil and type(opts.global) ~= "boolean" then
         error("opts.global must be a boolean", 2)
@@ -241,6 +273,7 @@ function _M.load(name, config, opts)
 
     local rc = loom_load(path, config, #config, threads, queue,
                          grace * 1000, spin_us, poll_us,
+                         math_floor(reclaim * 1000 + 0.5),
                          opts.global and 1 or 0,
                          pqueue, err, errlen)
 
@@ -268,7 +301,31 @@ function _M.load(name, config, opts)
 end
 
 
-function _M.call(self, payload, opts)
+function _M.call(self, payload, opts, named_opts)
+    local named = type(opts) == "string"
+    if not named and BUFFER_MT and getmetatable(opts) == BUFFER_MT then
+        named = true
+        opts = opts:tostring()
+    end
+
+    if named then
+        -- rt:call(name, data[, opts]) for runtimes that dispatch by name
+        -- (Lua, Java): the request is the name, a NUL byte, the data
+        if type(payload) ~= "string" or payload == ""
+           or str_find(payload, "\0", 1, true)
+        then
+            error("name must be a non-empty string without NUL bytes", 2)
+        end
+
+        payload = payload .. "\0" .. opts
+        opts = named_opts
+    end
+
+    -- nil or false: no options (`t and { timeout = t }` is common)
+    if opts and type(opts) ~= "table" then
+        error("opts must be a table", 2)
+    end
+
     local phase = ngx_get_phase()
     if not YIELDABLE[phase] then
         return nil, "API disabled in the context of " .. phase
@@ -282,8 +339,11 @@ function _M.call(self, payload, opts)
     if opts then
         local t = opts.timeout
         if t then
-            if type(t) ~= "number" or t <= 0 then
-                error("opts.timeout must be a number > 0", 2)
+            -- NaN fails every comparison: written so that it is refused
+            if type(t) ~= "number" or not (t > 0 and t <= MAX_TIMEOUT)
+            then
+                error("opts.timeout must be a number > 0 and <= "
+                      .. MAX_TIMEOUT, 2)
             end
 
             timeout_ms = math_floor(t * 1000 + 0.5)
@@ -293,6 +353,10 @@ function _M.call(self, payload, opts)
         end
 
         into = opts.into
+        if into ~= nil and (not BUFFER_MT or getmetatable(into) ~= BUFFER_MT)
+        then
+            error("opts.into must be a string.buffer", 2)
+        end
     end
 
     local data, len
@@ -414,8 +478,10 @@ end
 
 
 function _M.wait_ready(self, timeout)
-    if timeout ~= nil and (type(timeout) ~= "number" or timeout < 0) then
-        error("timeout must be a number >= 0", 2)
+    if timeout ~= nil and (type(timeout) ~= "number"
+                           or not (timeout >= 0 and timeout <= MAX_TIMEOUT))
+    then
+        error("timeout must be a number from 0 to " .. MAX_TIMEOUT, 2)
     end
 
     ngx_update_time()
@@ -481,6 +547,8 @@ function _M.stats(self)
         polled = s.polled,
         polled_hits = s.polled_hits,
         peak_queued = s.peak_queued,
+        reclaimed = s.reclaimed,
+        misused = s.misused,
         -- round trips, in microseconds
         latency = {
             count = s.lat_n,

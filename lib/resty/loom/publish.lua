@@ -36,6 +36,9 @@ local buf_new = buffer.new
 local b64_into = base64.encode_into
 local put_string = json.put_string
 local sub = string.sub
+local match = string.match
+local tostring = tostring
+local ipairs = ipairs
 local floor = math.floor
 local random = math.random
 local min = math.min
@@ -62,6 +65,8 @@ local RECYCLE_BYTES = 2 * 1024 * 1024   -- keep batch buffers up to this
 local BODY_PIECE = 64 * 1024
 local IDLE_WAIT = 2
 local EXIT_WATCH = 3600
+local GC_STEP_BYTES = 4 * 1024 * 1024     -- collector steps while draining
+local BACKLOG_BYTES = 16 * 1024 * 1024    -- a buffer this big is a backlog
 
 -- canonical statuses worth retrying (the body's error.status)
 local RETRY_STATUS = {
@@ -74,8 +79,10 @@ local RETRY_HTTP = {
     [503] = true, [504] = true,
 }
 
--- every publisher of this worker, for the stats collector
+-- every publisher of this worker by name, for the stats collector
 local publishers = {}
+-- every publisher of this worker that may hold messages, for exit_worker()
+local living = setmetatable({}, { __mode = "k" })
 local collector_registered = false
 
 
@@ -562,10 +569,71 @@ local function classify_response(res)
 end
 
 
+-- the kind of a failure, as counted in warnings: "status 503",
+-- "failed to connect", ...
+local function failure_kind(reason)
+    return match(reason, "^status %d+") or match(reason, "^[^:(]+")
+end
+
+
+local function trouble_summary(t)
+    local kinds = {}
+    for k, c in pairs(t.kinds) do
+        kinds[#kinds + 1] = k .. ": " .. c
+    end
+    return concat({ t.attempts, " failed attempts (", concat(kinds, ", "),
+                    "), ", t.lost, " messages given up; last: ", t.last })
+end
+
+
+-- Logs trouble without flooding: the first failure after a quiet time at
+-- once, then one summary with counts per warn_interval while failures go
+-- on. lost: messages given up by this failure (0: it will be retried).
+local function note_trouble(self, reason, lost)
+    local now = ngx_now()
+    local t = self.trouble
+    if not t then
+        self.trouble = {
+            since = now, next_at = now + self.warn_interval,
+            attempts = 0, lost = 0, kinds = {}, last = reason,
+        }
+        ngx_log(ngx_WARN, LOG_TAG, self.name, ": publish failed: ", reason,
+                lost > 0 and (" (" .. lost .. " messages given up)")
+                or " (retrying)")
+        return
+    end
+    local kind = failure_kind(reason)
+    t.attempts = t.attempts + 1
+    t.lost = t.lost + lost
+    t.kinds[kind] = (t.kinds[kind] or 0) + 1
+    t.last = reason
+    if now >= t.next_at then
+        ngx_log(ngx_WARN, LOG_TAG, self.name, ": publish failing for ",
+                floor(now - t.since), " s; in the last ",
+                self.warn_interval, " s: ", trouble_summary(t))
+        t.next_at = now + self.warn_interval
+        t.attempts, t.lost, t.kinds = 0, 0, {}
+    end
+end
+
+
+local function note_recovery(self)
+    local t = self.trouble
+    self.trouble = nil
+    ngx_log(ngx_WARN, LOG_TAG, self.name, ": publish recovered after ",
+            floor(ngx_now() - t.since), " s",
+            t.attempts > 0 and ("; since the last warning: "
+                                .. trouble_summary(t)) or "")
+end
+
+
 local function dispatch(self, b)
     local q = b.q
     fifo_pop(q.batches)
     local n, bytes = b.n, b.bytes
+    if self.queued_bytes + self.inflight_bytes >= BACKLOG_BYTES then
+        self.backlog = true
+    end
     self.queued_messages = self.queued_messages - n
     self.queued_bytes = self.queued_bytes - bytes
     self.inflight_messages = self.inflight_messages + n
@@ -585,10 +653,14 @@ local function dispatch(self, b)
     end
     body[#body + 1] = ']}'
     b.buf = nil
+    b.body = body       -- reported by exit_worker() if the worker stops
+    self.sending[b] = true
     buf:reset()
     local free = self.free_bufs
     if bytes <= RECYCLE_BYTES and #free < self.concurrency + 2 then
         free[#free + 1] = buf
+    else
+        buf:free()
     end
 
     local first = ngx_now()
@@ -603,13 +675,19 @@ local function dispatch(self, b)
         if hard and hard < deadline then
             deadline = hard
         end
-        local cok, tok, err = pcall(self.cred.get, self.cred,
-                                    min(10, deadline - ngx_now()))
+        -- no request runs past the deadline (the exit budget at exit)
+        ngx_update_time()
+        local left = deadline - ngx_now()
+        local cok, tok, err, permanent = pcall(self.cred.get, self.cred,
+                                               min(10, left))
         if not cok then
-            tok, err = nil, "failed to get token: " .. tostring(tok)
+            tok, err, permanent = nil, "failed to get token: "
+                                       .. tostring(tok), false
         end
         if self.cred.kind ~= "none" and not tok then
-            outcome, reason = "retry", err
+            outcome, reason = permanent and "fatal" or "retry", err
+        elseif left <= 0.001 then
+            outcome, reason = "retry", "timeout"
         else
             local headers = self.headers
             if tok then
@@ -617,13 +695,17 @@ local function dispatch(self, b)
             end
             self.requests = self.requests + 1
             local rok
-            rok, res, err = pcall(self.client.request, self.client, "POST",
-                                  self.path, headers, body)
+            rok, res, err, permanent = pcall(self.client.request,
+                                             self.client, "POST", self.path,
+                                             headers, body,
+                                             min(self.timeout, left))
             if not rok then
-                res, err = nil, "failed to send: " .. tostring(res)
+                res, err, permanent = nil, "failed to send: "
+                                           .. tostring(res), false
             end
             if not res then
-                outcome, reason, status = "retry", err, nil
+                outcome, reason, status = permanent and "fatal" or "retry",
+                                          err, nil
             else
                 status = res.status
                 outcome, reason = classify_response(res)
@@ -649,6 +731,7 @@ local function dispatch(self, b)
                          .. attempts .. " attempts)"
                 break
             end
+            note_trouble(self, reason, 0)
             self.retried = self.retried + 1
             ngx_sleep(sleep)
             backoff = min(backoff * 2, self.retry_max_backoff)
@@ -667,8 +750,13 @@ local function dispatch(self, b)
     self.inflight_bytes = self.inflight_bytes - bytes
     self.inflight = self.inflight - 1
     q.inflight = q.inflight - 1
+    self.sending[b] = nil
+    b.body = nil
 
     if outcome == "ok" then
+        if self.trouble then
+            note_recovery(self)
+        end
         self.sent = self.sent + n
         local hist = self.latency
         local times = b.times
@@ -686,6 +774,7 @@ local function dispatch(self, b)
         end
 
     else
+        note_trouble(self, reason, n)
         report_failure(self, q, body, n, reason, attempts, status)
         if q.key ~= "" and not self.exiting then
             -- ordered delivery: later messages of this key would overtake
@@ -698,6 +787,30 @@ local function dispatch(self, b)
        and q.batches.first > q.batches.last
     then
         self.queues[q.key] = nil
+    end
+    -- The body pieces are garbage now. After a backlog the collector's
+    -- threshold sits at about twice the peak buffer, and a worker that
+    -- goes idle never reaches it: while draining one, pay for what was
+    -- made, so that memory follows the buffer down. (Without a backlog the
+    -- collector's own pace is fine, and costs nothing extra.)
+    if self.backlog then
+        body = nil      -- luacheck: ignore
+        local garbage = self.garbage + bytes
+        local empty = self.queued_bytes + self.inflight_bytes == 0
+        if garbage >= GC_STEP_BYTES or empty then
+            collectgarbage("step", floor(garbage / 1024) + 1)
+            garbage = 0
+            if empty then
+                self.backlog = false
+                -- the recycled buffers grew with the backlog
+                local free = self.free_bufs
+                for i = #free, 1, -1 do
+                    free[i]:free()
+                    free[i] = nil
+                end
+            end
+        end
+        self.garbage = garbage
     end
     local sema = self.sema
     if sema:count() < self.concurrency then
@@ -714,6 +827,31 @@ local function abandon(self)
                                   "worker exiting: flush budget spent")
     end
     return lost
+end
+
+
+-- Reports and forgets everything this publisher still holds, queued or in
+-- flight. For exit_worker(): nothing can be sent any more.
+local function report_at_exit(self)
+    local queued, unconfirmed = 0, 0
+    for _, q in pairs(self.queues) do
+        queued = queued + fail_queued(self, q, "worker exiting: not sent")
+    end
+    for b in pairs(self.sending) do
+        self.sending[b] = nil
+        unconfirmed = unconfirmed + b.n
+        self.inflight_messages = self.inflight_messages - b.n
+        self.inflight_bytes = self.inflight_bytes - b.bytes
+        report_failure(self, b.q, b.body, b.n,
+                       "worker exiting: sent, delivery not confirmed", 0, nil)
+        b.body = nil
+    end
+    self.closed = true
+    if queued + unconfirmed > 0 then
+        ngx_log(ngx_ERR, LOG_TAG, self.name, ": ", queued + unconfirmed,
+                " messages not delivered at worker exit (", queued,
+                " not sent, ", unconfirmed, " sent but not confirmed)")
+    end
 end
 
 
@@ -993,23 +1131,56 @@ local function register_collector()
 end
 
 
-local function num(opts, name, default, lo, hi)
+-- every option new() takes
+local OPTIONS = {
+    project = true, topic = true, credentials = true, endpoint = true,
+    emulator_host = true, ssl_verify = true, server_name = true,
+    batch_max_messages = true, batch_max_bytes = true,
+    batch_max_delay = true, buffer_max_messages = true,
+    buffer_max_bytes = true, overflow = true, concurrency = true,
+    timeout = true, retry_deadline = true, retry_initial_backoff = true,
+    retry_max_backoff = true, flush_timeout = true, warn_interval = true,
+    on_success = true, on_error = true, user_project = true, name = true,
+}
+local MAX_SECONDS = 86400
+
+
+-- a number option: finite, above 0, at most hi, whole when integer
+local function num(opts, name, default, hi, integer)
     local v = opts[name]
     if v == nil then
         return default
     end
-    if type(v) ~= "number" or v ~= v or v < lo or (hi and v > hi) then
-        error("opts." .. name .. " must be a number from " .. lo
-              .. (hi and (" to " .. hi) or " up"), 3)
+    if type(v) ~= "number" or not (v > 0 and v <= hi)
+       or (integer and v % 1 ~= 0)
+    then
+        error("opts." .. name .. " must be "
+              .. (integer and "a whole number from 1" or "a number above 0")
+              .. " to " .. hi, 3)
     end
     return v
 end
 
 
--- p = publish.new(opts): see docs/publish.md for every option
+local function str(opts, name)
+    local v = opts[name]
+    if v ~= nil and (type(v) ~= "string" or v == "") then
+        error("opts." .. name .. " must be a non-empty string", 3)
+    end
+    return v
+end
+
+
+-- p = publish.new(opts): see docs/publish.md for every option. Every
+-- option is checked before anything is created.
 function _M.new(opts)
     if type(opts) ~= "table" then
         error("opts must be a table", 2)
+    end
+    for k in pairs(opts) do
+        if not OPTIONS[k] then
+            error("opts." .. tostring(k) .. ": unknown option", 2)
+        end
     end
     local project, topic = opts.project, opts.topic
     if type(project) ~= "string" or not project:match("^[%w][%w.:-]*$") then
@@ -1030,6 +1201,12 @@ function _M.new(opts)
             error("opts." .. cb .. " must be a function", 2)
         end
     end
+    if opts.ssl_verify ~= nil and type(opts.ssl_verify) ~= "boolean" then
+        error("opts.ssl_verify must be a boolean", 2)
+    end
+    local name = str(opts, "name")
+    local user_project = str(opts, "user_project")
+    local server_name = str(opts, "server_name")
 
     local emulator = opts.emulator_host
     if emulator == nil then
@@ -1044,6 +1221,10 @@ function _M.new(opts)
         if type(emulator) ~= "string" then
             error("opts.emulator_host must be host:port or false", 2)
         end
+        -- unused here, but a mistake in them must not wait for production
+        if cred_opts ~= nil then
+            auth.check(cred_opts, "opts.credentials")
+        end
         endpoint = "http://" .. emulator
         cred_opts = { type = "none" }
     elseif cred_opts == nil then
@@ -1054,55 +1235,80 @@ function _M.new(opts)
         error("opts.endpoint: " .. host, 2)
     end
 
-    local timeout = num(opts, "timeout", 10, 0.001)
-    local concurrency = num(opts, "concurrency", 4, 1, 64)
+    local timeout = num(opts, "timeout", 10, 3600)
+    local concurrency = num(opts, "concurrency", 4, 64, true)
+    local retry_initial = num(opts, "retry_initial_backoff", 0.1, 3600)
+    local retry_max_backoff = num(opts, "retry_max_backoff", 10, 3600)
+    if retry_initial > retry_max_backoff then
+        error("opts.retry_initial_backoff must be at most "
+              .. "opts.retry_max_backoff (" .. retry_max_backoff .. ")", 2)
+    end
+    local batch_max_messages = num(opts, "batch_max_messages", MAX_MESSAGES,
+                                   MAX_MESSAGES, true)
+    local batch_max_bytes = num(opts, "batch_max_bytes", 1000000,
+                                MAX_REQUEST_BYTES - ENVELOPE, true)
+    local batch_max_delay = num(opts, "batch_max_delay", 0.05, 3600)
+    local buffer_max_messages = num(opts, "buffer_max_messages", 100000, 1e9,
+                                    true)
+    local buffer_max_bytes = num(opts, "buffer_max_bytes", 64 * 1024 * 1024,
+                                 1e12, true)
+    local retry_deadline = num(opts, "retry_deadline", 60, MAX_SECONDS)
+    local flush_timeout = num(opts, "flush_timeout", 3, 3600)
+    local warn_interval = num(opts, "warn_interval", 10, MAX_SECONDS)
+    -- the credentials check their own options (and raise) before the
+    -- client is made
+    local cred = auth.new(cred_opts, "opts.credentials")
+
     local self = {
-        name = opts.name or (project .. "/" .. topic),
+        name = name or (project .. "/" .. topic),
         project = project,
         topic = topic,
         path = "/v1/projects/" .. project .. "/topics/" .. topic
                .. ":publish",
         headers = "Content-Type: application/json\r\n"
-                  .. (opts.user_project and ("X-Goog-User-Project: "
-                      .. opts.user_project .. "\r\n") or ""),
-        batch_max_messages = num(opts, "batch_max_messages", MAX_MESSAGES, 1,
-                                 MAX_MESSAGES),
-        batch_max_bytes = num(opts, "batch_max_bytes", 1000000, 1,
-                              MAX_REQUEST_BYTES - ENVELOPE),
-        batch_max_delay = num(opts, "batch_max_delay", 0.05, 0),
-        buffer_max_messages = num(opts, "buffer_max_messages", 100000, 1),
-        buffer_max_bytes = num(opts, "buffer_max_bytes", 64 * 1024 * 1024,
-                               1),
+                  .. (user_project and ("X-Goog-User-Project: "
+                      .. user_project .. "\r\n") or ""),
+        batch_max_messages = batch_max_messages,
+        batch_max_bytes = batch_max_bytes,
+        batch_max_delay = batch_max_delay,
+        buffer_max_messages = buffer_max_messages,
+        buffer_max_bytes = buffer_max_bytes,
         overflow = overflow,
         concurrency = concurrency,
-        retry_deadline = num(opts, "retry_deadline", 60, 0),
-        retry_initial = num(opts, "retry_initial_backoff", 0.1, 0.001),
-        retry_max_backoff = num(opts, "retry_max_backoff", 10, 0.001),
-        flush_timeout = num(opts, "flush_timeout", 3, 0),
+        timeout = timeout,
+        retry_deadline = retry_deadline,
+        retry_initial = retry_initial,
+        retry_max_backoff = retry_max_backoff,
+        flush_timeout = flush_timeout,
+        warn_interval = warn_interval,
         on_success = opts.on_success,
         on_error = opts.on_error,
-        cred = auth.new(cred_opts),
+        cred = cred,
         client = http.new({
             scheme = scheme, host = host, port = port,
-            ssl_verify = opts.ssl_verify, server_name = opts.server_name,
+            ssl_verify = opts.ssl_verify, server_name = server_name,
             connect_timeout = min(timeout, 5), send_timeout = timeout,
-            read_timeout = timeout, pool_size = concurrency * 2,
-            keepalive_timeout = 60,
+            read_timeout = timeout, timeout = timeout,
+            pool_size = concurrency * 2, keepalive_timeout = 60,
         }),
         -- state
         queues = {},
         opening = fifo_new(),    -- batches by creation time (deadlines)
         sealed = fifo_new(),     -- batches ready to go
+        sending = {},            -- batches in flight (set)
         sema = semaphore.new(0),
         scratch = buf_new(2048),
         scratch_tail = buf_new(2048),
         free_bufs = {},
+        backlog = false,         -- draining a big buffer: see dispatch()
+        garbage = 0,             -- bytes of body pieces not yet collected
         running = false,
         exiting = false,
         exit_deadline = nil,
         closed = false,
         run_fn = run,
         exit_fn = exit_watch,
+        trouble = nil,           -- failures since the last warning
         -- figures
         queued_messages = 0,
         queued_bytes = 0,
@@ -1128,8 +1334,20 @@ function _M.new(opts)
         end
     end
     publishers[self.name] = self
+    living[self] = true
     register_collector()
     return self
+end
+
+
+-- publish.exit_worker(), in exit_worker_by_lua*: hands whatever is still
+-- buffered to on_error and logs the count. A fast stop (SIGTERM, nginx -s
+-- stop) runs no timer and no cosocket: this hook is all that runs.
+function _M.exit_worker()
+    for p in pairs(living) do
+        report_at_exit(p)
+    end
+    return true
 end
 
 

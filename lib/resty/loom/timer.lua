@@ -163,6 +163,22 @@ local runner_main
 local start_runner
 
 
+-- at the end of the exit: premature callbacks that had not started
+-- within exit_timeout were dropped; say how many (the worker's statistics
+-- go with it)
+local dropped_reported = 0
+
+local function report_dropped(e)
+    local n = e.totals.dropped - dropped_reported
+    if n > 0 then
+        dropped_reported = e.totals.dropped
+        ngx_log(WARN, "[loom.timer] worker exiting: ", n, " premature ",
+                "callbacks dropped, not started within exit_timeout (",
+                cfg.exit_timeout, " s)")
+    end
+end
+
+
 -- a lane runs queued callbacks back to back; after `slice` seconds of
 -- them it yields to the event loop (resty.loom.yield) so that a large batch
 -- does not hold up request processing
@@ -191,6 +207,9 @@ local function lane(r)
     if r.done and r.threads == 0 then
         runners[r.id] = nil
         nrunners = nrunners - 1
+    end
+    if exiting and threads == 0 and e:queued() == 0 then
+        report_dropped(e)
     end
 end
 

@@ -24,7 +24,6 @@ local ngx_WARN = ngx.WARN
 local ngx_ERR = ngx.ERR
 local ngx_now = ngx.now
 local ngx_timer_at = ngx.timer.at
-local ngx_timer_every = ngx.timer.every
 local ngx_worker_exiting = ngx.worker.exiting
 local ngx_get_phase = ngx.get_phase
 local debug_getinfo = debug.getinfo
@@ -38,11 +37,13 @@ local type = type
 local pairs = pairs
 local ipairs = ipairs
 local error = error
+local pcall = pcall
 local floor = math.floor
 local str_byte = string.byte
 local str_find = string.find
 local str_format = string.format
 local str_gmatch = string.gmatch
+local str_gsub = string.gsub
 local str_match = string.match
 local str_sub = string.sub
 local tbl_concat = table.concat
@@ -707,7 +708,7 @@ end
 
 
 -- the bottom frame of every timer made while the watchdog runs; the C side
--- reads its second local to tell where the timer was created
+-- reads its local loom_timer_site to tell where the timer was created
 local function loom_timer_runner(premature, loom_timer_site, cb, ...)
     cb(premature, ...)
 end
@@ -732,22 +733,30 @@ local function timer_site(cb)
 end
 
 
+-- ngx.timer.at or every (as made by make) with the creation site noted
+local function noting_site(make)
+    return function(delay, cb, ...)
+        if type(cb) ~= "function" then
+            return make(delay, cb, ...)
+        end
+        return make(delay, loom_timer_runner, timer_site(cb), cb, ...)
+    end
+end
+
+
+-- wraps what ngx.timer.at/every are now (native ones, or another
+-- library's), except resty.loom.timer's after its patch(): those name
+-- their timers themselves, and raise at their caller's line
 local function wrap_timers()
     local timer = ngx.timer
+    local loom = package.loaded["resty.loom.timer"]
+    local patched = type(loom) == "table"
     -- luacheck: push ignore 122
-    timer.at = function(delay, cb, ...)
-        if type(cb) ~= "function" then
-            return ngx_timer_at(delay, cb, ...)
-        end
-        return ngx_timer_at(delay, loom_timer_runner, timer_site(cb), cb,
-                            ...)
+    if not (patched and timer.at == loom.at) then
+        timer.at = noting_site(timer.at)
     end
-    timer.every = function(delay, cb, ...)
-        if type(cb) ~= "function" then
-            return ngx_timer_every(delay, cb, ...)
-        end
-        return ngx_timer_every(delay, loom_timer_runner, timer_site(cb),
-                               cb, ...)
+    if not (patched and timer.every == loom.every) then
+        timer.every = noting_site(timer.every)
     end
     -- luacheck: pop
 end
@@ -1044,6 +1053,9 @@ end
 
 function _M.flamegraph(reports, opts)
     local flamegraph = require "resty.loom.flamegraph"
+    if opts ~= nil and type(opts) ~= "table" then
+        error("opts must be a table", 2)
+    end
     local o = { title = "Event-loop stalls", unit = "ms" }
     for k, v in pairs(opts or {}) do
         o[k] = v
@@ -1051,7 +1063,11 @@ function _M.flamegraph(reports, opts)
     -- the SVG alone: ngx.print(watchdog.flamegraph()) must serve a valid
     -- document (the renderer's second value, the frame count, would follow
     -- </svg>)
-    local svg = flamegraph.svg(_M.folded(reports), o)
+    local ok, svg = pcall(flamegraph.svg, _M.folded(reports), o)
+    if not ok then
+        -- a bad option: named at the caller's line, not this one
+        error((str_gsub(tostring(svg), "^[^:]*:%d+: ", "")), 2)
+    end
     return svg
 end
 

@@ -26,7 +26,8 @@
 // loop. The handler is shared by all runtime goroutines of the worker, so
 // it keeps state between calls (a cache, a connection pool) and must be
 // safe for concurrent use. A returned error reaches the Lua caller as
-// "runtime error: <message>"; so does a panic, which is recovered, and the
+// "runtime error: <message>"; so does a panic, which is recovered and
+// written to the nginx error log once ("go handler <type> panic at ..."); the
 // goroutine goes on serving the next call.
 package offload
 
@@ -154,8 +155,10 @@ func panicLocation() string {
 	}
 }
 
-// safeHandle runs the handler, turning a panic into an error message.
-func safeHandle(h Handler, call *Call) (resp []byte, errMsg string, ok bool) {
+// safeHandle runs the handler, turning a panic into an error message
+// (then panicked is true).
+func safeHandle(h Handler, call *Call) (resp []byte, errMsg string, ok,
+	panicked bool) {
 	defer func() {
 		if r := recover(); r != nil {
 			loc := panicLocation()
@@ -164,12 +167,12 @@ func safeHandle(h Handler, call *Call) (resp []byte, errMsg string, ok bool) {
 			} else {
 				errMsg = fmt.Sprintf("panic: %v", r)
 			}
-			resp, ok = nil, false
+			resp, ok, panicked = nil, false, true
 		}
 	}()
 	resp, err := h.Handle(call)
 	if err != nil {
-		return nil, err.Error(), false
+		return nil, err.Error(), false, false
 	}
-	return resp, "", true
+	return resp, "", true, false
 }

@@ -26,11 +26,13 @@ The payload is "<op>:<argument>":
     int:<n>         returns the int n (not bytes: an error)
     config:         the configuration string setup() got (init=setup)
     view:<x>        x as a memoryview (any buffer object is accepted)
+    exit:<n>        runs "sh -c 'exit n'", returns subprocess's returncode
 
 A payload without a known op is echoed back unchanged.
 """
 
 import hashlib
+import subprocess
 import threading
 import time
 
@@ -110,4 +112,7 @@ def handle(payload):
         return _config
     if op == b"view":
         return memoryview(arg)
+    if op == b"exit":
+        res = subprocess.run(["sh", "-c", "exit %d" % int(arg)])
+        return b"%d" % res.returncode
     return payload

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::thread::{self, JoinHandle};
 
 use crate::sys::{self, Host, LoomInitArgs, Queue, Task};
-use crate::{catch, Call, Config, Error, Handler};
+use crate::{catch, catch_panic, Call, Config, Error, Handler};
 
 /// How long a thread blocks in host->wait() before looking again; the
 /// host wakes waiters when it closes the queue, so this is only a bound.
@@ -147,9 +147,21 @@ fn serve<H: Handler>(hr: HostRef, handler: &H, index: usize) {
         let cancelled = || unsafe { (host.cancelled)(task) != 0 };
         let call = Call::new(payload, &cancelled, index);
         out.clear();
-        match catch(|| handler.handle_into(&call, &mut out)) {
-            Ok(()) => hr.answer(task, sys::LOOM_OFFLOAD_OK, &out),
+        match catch_panic(|| handler.handle_into(&call, &mut out)) {
+            Ok(Ok(())) => hr.answer(task, sys::LOOM_OFFLOAD_OK, &out),
+            Ok(Err(e)) => {
+                hr.answer(task, sys::LOOM_OFFLOAD_ERROR, e.message().as_bytes())
+            }
             Err(e) => {
+                // a bug, not an answer: the log says so, once per panic
+                hr.log(
+                    sys::LOOM_OFFLOAD_LOG_ERR,
+                    &format!(
+                        "rust handler {} {}",
+                        std::any::type_name::<H>(),
+                        e.message()
+                    ),
+                );
                 hr.answer(task, sys::LOOM_OFFLOAD_ERROR, e.message().as_bytes())
             }
         }

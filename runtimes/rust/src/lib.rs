@@ -14,7 +14,8 @@
 //! * a handler returns `Ok(bytes)` (the Lua caller gets them) or
 //!   `Err(error)` (the caller gets `nil, "runtime error: <message>"`);
 //!   a panic is caught and reported the same way, with its location, and
-//!   the thread goes on serving the next call.
+//!   the thread goes on serving the next call; the panic is also written
+//!   to nginx's error log once ("rust handler <type> panicked at ...").
 //!
 //! ```no_run
 //! use loom_offload::{export_runtime, Call, Config, Error, Handler};
@@ -245,12 +246,20 @@ fn panic_message(payload: &(dyn Any + Send)) -> String {
 /// Runs `f`, turning a panic into an error "panicked at <file:line>:
 /// <message>".
 pub fn catch<T>(f: impl FnOnce() -> Result<T, Error>) -> Result<T, Error> {
+    catch_panic(f).unwrap_or_else(Err)
+}
+
+/// Runs `f`; a panic becomes the outer `Err`, with the message `catch()`
+/// gives, so that callers can tell a panic from a returned error.
+pub(crate) fn catch_panic<T>(
+    f: impl FnOnce() -> Result<T, Error>,
+) -> Result<Result<T, Error>, Error> {
     install_panic_hook();
     let outer = IN_HANDLER.with(|h| h.replace(true));
     let res = panic::catch_unwind(AssertUnwindSafe(f));
     IN_HANDLER.with(|h| h.set(outer));
     match res {
-        Ok(r) => r,
+        Ok(r) => Ok(r),
         Err(payload) => {
             let msg = panic_message(payload.as_ref());
             let loc = PANIC_LOCATION.with(|p| p.borrow_mut().take());

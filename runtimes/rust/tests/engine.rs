@@ -264,8 +264,15 @@ fn results_errors_panics_and_state() {
     // state survives the panic: the counter went on
     assert_eq!(h.call(b"count"), (sys::LOOM_OFFLOAD_OK, b"5".to_vec()));
     assert_eq!(STOPPED.with(|s| s.load(Ordering::SeqCst)), 0);
+    // the panic, and only the panic (not the returned error), was logged
     let logs = h.close();
-    assert!(logs.is_empty(), "{:?}", logs);
+    assert_eq!(logs.len(), 1, "{:?}", logs);
+    assert!(
+        logs[0].starts_with("rust handler engine::Counter panicked at "),
+        "{:?}",
+        logs
+    );
+    assert!(logs[0].ends_with(": boom 4"), "{:?}", logs);
     assert_eq!(STOPPED.with(|s| s.load(Ordering::SeqCst)), 1);
 }
 

@@ -3,7 +3,6 @@
 -- every worker. GET /offload/hash does SHA-256 rounds on its threads.
 
 
-local cjson = require "cjson.safe"
 local offload = require "resty.loom.offload"
 
 local MAX_ROUNDS = 1000000
@@ -22,11 +21,7 @@ local function root()
 end
 
 
-local function reply(status, body)
-    ngx.status = status
-    ngx.header["Content-Type"] = "application/json"
-    ngx.say(cjson.encode(body))
-end
+local reply = require("gateway.json").reply
 
 
 function _M.init_worker()

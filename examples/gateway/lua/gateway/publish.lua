@@ -4,6 +4,7 @@
 
 
 local cjson = require "cjson.safe"
+local api = require "gateway.json"
 local http = require "resty.loom.http"
 local publish = require "resty.loom.publish"
 
@@ -88,13 +89,18 @@ end
 
 function _M.send()
     if not p then
-        ngx.status = 503
-        ngx.say(cjson.encode({ enabled = false, reason = off_reason }))
-        return
+        return api.reply(503, { error = "publishing is off",
+                                enabled = false, reason = off_reason })
     end
-    ngx.req.read_body()
-    local body = ngx.req.get_body_data() or ngx.var.request_uri
-    local ok, err = p:send(body, message())
+    local body, err = api.body()
+    if not body then
+        return api.reply(500, { error = err })
+    end
+    if body == "" then
+        body = ngx.var.request_uri
+    end
+    local ok
+    ok, err = p:send(body, message())
     ngx.status = ok and 202 or 400
     ngx.say(cjson.encode({ queued = ok or false, error = err }))
 end

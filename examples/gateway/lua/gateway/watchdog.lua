@@ -54,8 +54,10 @@ function _M.blocking()
             all[#all + 1] = r
         end
     end
+    -- only the SVG: flamegraph() may return more than one value
+    local svg = watchdog.flamegraph(all)
     ngx.header["Content-Type"] = "image/svg+xml"
-    ngx.print(watchdog.flamegraph(all))
+    ngx.print(svg)
 end
 
 
@@ -91,12 +93,31 @@ local function blocking_receive(ms)
 end
 
 
+-- ?cpu_ms= and ?socket_ms=: whole milliseconds, 0 to 5000
+local function millis(arg, default)
+    if arg == nil then
+        return default
+    end
+    local ms = tonumber(arg)
+    if not ms or ms ~= math.floor(ms) or ms < 0 or ms > 5000 then
+        return nil
+    end
+    return ms
+end
+
+
 function _M.demo()
     local args = ngx.req.get_uri_args()
-    local cpu_ms = math.min(tonumber(args.cpu_ms) or 200, 5000)
-    local socket_ms = math.min(tonumber(args.socket_ms) or 150, 5000)
+    local cpu_ms = millis(args.cpu_ms, 200)
+    local socket_ms = millis(args.socket_ms, 150)
+    if not cpu_ms or not socket_ms then
+        return reply(400, { error = "cpu_ms and socket_ms must be whole "
+                                    .. "milliseconds from 0 to 5000" })
+    end
     local digest = hash_random_strings(cpu_ms)
-    blocking_receive(socket_ms)
+    if socket_ms > 0 then           -- a zero SO_RCVTIMEO waits forever
+        blocking_receive(socket_ms)
+    end
     reply(200, { blocked_ms = cpu_ms + socket_ms, digest = digest,
                  see = "/loom/blocking" })
 end

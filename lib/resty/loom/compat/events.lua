@@ -10,11 +10,14 @@ local frame = require "resty.loom.events.frame"
 
 local type = type
 local error = error
+local pcall = pcall
 local tostring = tostring
 local setmetatable = setmetatable
 local ceil = math.ceil
 local max = math.max
+local huge = math.huge
 local str_sub = string.sub
+local str_gsub = string.gsub
 local tab_remove = table.remove
 local ngx_md5 = ngx.md5
 local timer_at = ngx.timer.at
@@ -22,10 +25,7 @@ local local_event = common.local_event
 local unwrap = common.unwrap
 local call = common.call
 
-local DEFAULT_UNIQUE_TIMEOUT = 5
-local DEFAULT_MAX_QUEUE_LEN = 1024 * 10
-local DEFAULT_MAX_PAYLOAD_LEN = 1024 * 64
-local LIMIT_MAX_PAYLOAD_LEN = 1024 * 1024 * 16
+local MAX_PAYLOAD_LIMIT = 16 * 1024 * 1024
 local UNIQUE_KEY_MAX = frame.KEY_MAX
 -- the bus bounds bytes too; lua-resty-events bounds events only
 local QUEUE_BYTES = 64 * 1024 * 1024
@@ -39,61 +39,94 @@ local _M = { _VERSION = "0.3.1" }
 local mt = { __index = _M }
 
 
--- lua-resty-events' checks, in its order and with its messages; fills
--- the defaults into opts, as it does
-local function check_options(opts)
+-- The options are checked in lua-resty-events' order, and a value it
+-- refuses gets its message; NaN, infinities and a fractional broker_id,
+-- which it takes, are refused too. Defaults are filled into opts, as it
+-- does. Each number: name, default, whether a value is in range, and the
+-- messages for a value that is not a number and for one out of range.
+local BROKER_ID = {
+    "broker_id", 0,
+    function(v) return v >= 0 and v < ngx.worker.count() and v % 1 == 0 end,
+    '"broker_id" option must be a number', '"broker_id" option is invalid',
+}
+local NUMBERS = {
+    {
+        "unique_timeout", 5, function(v) return v > 0 end,
+        'optional "unique_timeout" option must be a number',
+        '"unique_timeout" must be greater than 0',
+    }, {
+        "max_queue_len", 10240, function(v) return v > 0 end,
+        '"max_queue_len" option must be a number',
+        '"max_queue_len" option is invalid',
+    }, {
+        "max_payload_len", 65536,
+        function(v) return v > 0 and v <= MAX_PAYLOAD_LIMIT end,
+        '"max_payload_len" option must be a number',
+        '"max_payload_len" option is invalid',
+    },
+}
+
+
+-- the message for a bad number, else nil
+local function bad_number(opts, spec)
+    local name = spec[1]
+    local v = opts[name] or spec[2]
+    opts[name] = v
+    if type(v) ~= "number" then
+        return spec[4]
+    end
+    if not spec[3](v) then
+        return spec[5]
+    end
+    if v == huge or v == -huge then
+        return '"' .. name .. '" option must be a finite number'
+    end
+    return nil
+end
+
+
+local function bad_listening(v)
+    if not v then
+        return '"listening" option required to start'
+    end
+    if type(v) ~= "string" then
+        return '"listening" option must be a string'
+    end
+    if str_sub(v, 1, 5) ~= "unix:" then
+        return '"listening" option must start with unix:'
+    end
+    return nil
+end
+
+
+local KNOWN = {
+    broker_id = true, listening = true, unique_timeout = true,
+    max_queue_len = true, max_payload_len = true,
+    enable_privileged_agent = true, testing = true,
+}
+
+
+-- the message for the first bad option, else nil
+local function bad_options(opts)
     if type(opts) ~= "table" then
-        return nil, "Expected a table, got " .. type(opts)
+        return "Expected a table, got " .. type(opts)
     end
-    opts.broker_id = opts.broker_id or 0
-    if type(opts.broker_id) ~= "number" then
-        return nil, '"broker_id" option must be a number'
+    local err = bad_number(opts, BROKER_ID) or bad_listening(opts.listening)
+    for i = 1, #NUMBERS do
+        err = err or bad_number(opts, NUMBERS[i])
     end
-    if opts.broker_id < 0 or opts.broker_id >= ngx.worker.count() then
-        return nil, '"broker_id" option is invalid'
+    if err then
+        return err
     end
-    if not opts.listening then
-        return nil, '"listening" option required to start'
-    end
-    if type(opts.listening) ~= "string" then
-        return nil, '"listening" option must be a string'
-    end
-    if str_sub(opts.listening, 1, 5) ~= "unix:" then
-        return nil, '"listening" option must start with unix:'
-    end
-    opts.unique_timeout = opts.unique_timeout or DEFAULT_UNIQUE_TIMEOUT
-    if type(opts.unique_timeout) ~= "number" then
-        return nil, 'optional "unique_timeout" option must be a number'
-    end
-    if opts.unique_timeout <= 0 then
-        return nil, '"unique_timeout" must be greater than 0'
-    end
-    opts.max_queue_len = opts.max_queue_len or DEFAULT_MAX_QUEUE_LEN
-    if type(opts.max_queue_len) ~= "number" then
-        return nil, '"max_queue_len" option must be a number'
-    end
-    if opts.max_queue_len <= 0 then
-        return nil, '"max_queue_len" option is invalid'
-    end
-    opts.max_payload_len = opts.max_payload_len or DEFAULT_MAX_PAYLOAD_LEN
-    if type(opts.max_payload_len) ~= "number" then
-        return nil, '"max_payload_len" option must be a number'
-    end
-    if opts.max_payload_len <= 0
-       or opts.max_payload_len > LIMIT_MAX_PAYLOAD_LEN
-    then
-        return nil, '"max_payload_len" option is invalid'
-    end
-    if opts.enable_privileged_agent ~= nil
-       and type(opts.enable_privileged_agent) ~= "boolean"
-    then
-        return nil, '"enable_privileged_agent" option must be a boolean'
+    local agent = opts.enable_privileged_agent
+    if agent ~= nil and type(agent) ~= "boolean" then
+        return '"enable_privileged_agent" option must be a boolean'
     end
     opts.testing = opts.testing or false
     if type(opts.testing) ~= "boolean" then
-        return nil, '"testing" option must be a boolean'
+        return '"testing" option must be a boolean'
     end
-    return true
+    return nil
 end
 
 
@@ -131,8 +164,8 @@ end
 
 
 function _M.new(opts)
-    local ok, err = check_options(opts)
-    if not ok then
+    local err = bad_options(opts)
+    if err then
         error(err, 2)
     end
     local self = setmetatable({
@@ -145,15 +178,21 @@ function _M.new(opts)
     }, mt)
     if not opts.testing then
         local payload = ceil(opts.max_payload_len)
-        self.bus = events.new({
+        local ok, bus = pcall(events.new, {
             socket = opts.listening,
-            broker = ceil(opts.broker_id),
+            broker = opts.broker_id,
             unique_window = max(opts.unique_timeout, 0.001),
             max_queue = ceil(opts.max_queue_len),
             max_payload = payload,
             max_queue_bytes = max(QUEUE_BYTES, payload * 4 + EVENT_ROOM),
             privileged_agent = opts.enable_privileged_agent == true,
         })
+        if not ok then
+            -- the bus's own checks (an absolute path, its directory), at
+            -- the caller's line as the ones above
+            error((str_gsub(tostring(bus), "^[^:]*:%d+: ", "")), 2)
+        end
+        self.bus = bus
         self.bus:subscribe("*", "*", function(data, event, source, wid)
             local d, is_local = unwrap(data)
             if is_local then
@@ -174,6 +213,11 @@ end
 
 
 function _M.init_worker(self)
+    if ngx.worker.id() == (self.opts.testing and 0 or self.opts.broker_id)
+    then
+        -- (from new(), in init_by_lua, it would go to stderr only)
+        common.warn_unknown("resty.events", self.opts, KNOWN)
+    end
     if self.opts.testing then
         -- lua-resty-events is ready once its first timer ran
         local ok, err = timer_at(0, set_ready, self)
@@ -224,18 +268,25 @@ function _M.is_ready(self)
 end
 
 
+-- raises, at the line of publish()'s or subscribe()'s caller, as
+-- lua-resty-events does for a missing source or event
+local function check_names(source, event)
+    if type(source) ~= "string" or source == "" then
+        error("source is required", 3)
+    end
+    if type(event) ~= "string" or event == "" then
+        error("event is required", 3)
+    end
+end
+
+
 -- publish(target, source, event, data): target "all", "current", or any
 -- other string naming a unique event (delivered to one worker)
 function _M.publish(self, target, source, event, data)
     if type(target) ~= "string" or target == "" then
         error("target is required", 2)
     end
-    if type(source) ~= "string" or source == "" then
-        error("source is required", 2)
-    end
-    if type(event) ~= "string" or event == "" then
-        error("event is required", 2)
-    end
+    check_names(source, event)
     if self.opts.testing then
         -- synchronous, in this process, as lua-resty-events' testing mode
         dispatch(self, source, event, data, nil)
@@ -274,18 +325,13 @@ end
 -- subscribe(source, event, callback): callback(data, event, source, wid);
 -- returns an id for unsubscribe()
 function _M.subscribe(self, source, event, callback)
-    if type(source) ~= "string" or source == "" then
-        error("source is required", 2)
-    end
-    if type(event) ~= "string" or event == "" then
-        error("event is required", 2)
-    end
+    check_names(source, event)
     if type(callback) ~= "function" then
         error("expected function, got: " .. type(callback), 2)
     end
-    local count = self.counter + 1
-    self.counter = count
-    local id = tostring(count)
+    -- ids are "1", "2", ...: the peer's, which callers may keep as keys
+    self.counter = self.counter + 1
+    local id = tostring(self.counter)
     self.funcs[id] = callback
     local by_event = self.buckets[source]
     if not by_event then

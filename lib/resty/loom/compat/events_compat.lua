@@ -41,22 +41,25 @@ function _M.run()
 end
 
 
--- post(source, event, data, unique): "done", or nil, err
-function _M.post(source, event, data, unique)
-    local ok, err = ev:publish(unique or "all", source, event, data)
-    if not ok then
-        return nil, err
+-- "done" once published, else nil, err
+local function publish(target, source, event, data)
+    local ok, err = ev:publish(target, source, event, data)
+    if ok then
+        return "done"
     end
-    return "done"
+    return nil, err
+end
+
+
+-- post(source, event, data, unique): to every worker, or to the one that
+-- takes the unique target
+function _M.post(source, event, data, unique)
+    return publish(unique or "all", source, event, data)
 end
 
 
 function _M.post_local(source, event, data)
-    local ok, err = ev:publish("current", source, event, data)
-    if not ok then
-        return nil, err
-    end
-    return "done"
+    return publish("current", source, event, data)
 end
 
 
@@ -96,10 +99,11 @@ end
 
 
 -- runs the handlers of the events already received; "done" (or
--- "recursive" from a handler)
+-- "recursive" from a handler), also before configure() as in the peer
 function _M.poll()
-    if ev.bus then
-        return ev.bus:poll()
+    local bus = ev and ev.bus
+    if bus then
+        return bus:poll()
     end
     return "done"
 end

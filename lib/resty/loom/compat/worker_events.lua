@@ -16,6 +16,8 @@ local select = select
 local ipairs = ipairs
 local tostring = tostring
 local setmetatable = setmetatable
+local unpack = unpack
+local huge = math.huge
 local traceback = debug.traceback
 local ngx_log = ngx.log
 local ERR = ngx.ERR
@@ -28,11 +30,6 @@ local KEY_ONE = "events-one:"           -- shm key claiming a unique event
 -- the field of the table a unique event travels in
 local UNIQUE = "\0resty-worker-events.unique"
 
-local DEFAULT_UNIQUE_TIMEOUT = 2
-local DEFAULT_INTERVAL = 1
-local DEFAULT_WAIT_MAX = 0.5
-local DEFAULT_WAIT_INTERVAL = 0.010
-local DEFAULT_SHM_RETRIES = 999
 -- seconds: less than the bus's exit watch (365 days), so it fires first
 local STOPPING_WATCH = 300 * 86400
 
@@ -99,9 +96,9 @@ local function run_level(l, data, event, source, pid)
 end
 
 
-local function do_event(source, event, data, pid)
+local function run_handlers(source, event, data, pid)
     ngx_log(DEBUG, "worker-events: handling event; source=", source,
-            ", event=", event, ", pid=", tostring(pid))
+            ", event=", event, ", pid=", pid)
     run_level(root, data, event, source, pid)
     local by_source = root.subs[source]
     if by_source then
@@ -113,7 +110,7 @@ end
 
 -- a unique event runs in the worker that claims it first, for
 -- settings.timeout seconds, as worker-events does with its shm
-local function mine_to_have(unique)
+local function claim(unique)
     local key = KEY_ONE .. tostring(unique)
     local ok, err = dict:add(key, ngx.worker.pid(), settings.timeout)
     if ok then
@@ -135,12 +132,12 @@ local function on_event(data, event, source, _, pid)
     if is_local then
         pid = nil
     elseif type(d) == "table" and d[UNIQUE] ~= nil then
-        if not mine_to_have(d[UNIQUE]) then
+        if not claim(d[UNIQUE]) then
             return
         end
         d = d.data
     end
-    return do_event(source, event, d, pid)
+    return run_handlers(source, event, d, pid)
 end
 
 
@@ -215,17 +212,44 @@ local function on_exit(premature)
 end
 
 
--- a number option, else its value from the last configure(), else the
--- default; "positive" when 0 is refused too
-local function option(opts, name, default, positive, must_be)
-    local v = opts[name] or settings[name] or default
-    if type(v) ~= "number" then
-        return nil, 'optional "' .. name .. '" option must be a number'
+-- configure()'s numbers in the order worker-events checks them: name,
+-- default, whether 0 is refused, and what a value must be
+local NUMBERS = {
+    { "timeout", 2, true, "greater than 0" },
+    { "interval", 1, false, "greater than or equal to 0" },
+    { "wait_interval", 0.010, false, "greater than or equal to 0" },
+    { "wait_max", 0.5, false, "greater than or equal to 0" },
+    { "shm_retries", 999, false, "0 or greater" },
+}
+
+
+local KNOWN = { shm = true, debug = true }
+for i = 1, #NUMBERS do
+    KNOWN[NUMBERS[i][1]] = true
+end
+
+
+-- the options of configure() over those of the last one and the
+-- defaults; nil and worker-events' message for the first bad one. NaN and
+-- infinities, which it takes, are refused too: a timeout of either claims
+-- a unique event in the shm for ever (the shm's exptime turns negative).
+local function numbers(opts)
+    local new = {}
+    for i = 1, #NUMBERS do
+        local name, default, positive, must_be = unpack(NUMBERS[i])
+        local v = opts[name] or settings[name] or default
+        if type(v) ~= "number" then
+            return nil, 'optional "' .. name .. '" option must be a number'
+        end
+        if v ~= v or v < 0 or (positive and v == 0) then
+            return nil, '"' .. name .. '" must be ' .. must_be
+        end
+        if v == huge then
+            return nil, '"' .. name .. '" must be a finite number'
+        end
+        new[name] = v
     end
-    if v < 0 or (positive and v == 0) then
-        return nil, '"' .. name .. '" must be ' .. must_be
-    end
-    return v
+    return new
 end
 
 
@@ -251,31 +275,11 @@ function _M.configure(opts)
         end
     end
 
-    local new = {}
-    local err
-    new.timeout, err = option(opts, "timeout", DEFAULT_UNIQUE_TIMEOUT, true,
-                              "greater than 0")
-    if not err then
-        new.interval, err = option(opts, "interval", DEFAULT_INTERVAL, false,
-                                   "greater than or equal to 0")
-    end
-    if not err then
-        new.wait_interval, err = option(opts, "wait_interval",
-                                        DEFAULT_WAIT_INTERVAL, false,
-                                        "greater than or equal to 0")
-    end
-    if not err then
-        new.wait_max, err = option(opts, "wait_max", DEFAULT_WAIT_MAX, false,
-                                   "greater than or equal to 0")
-    end
-    if not err then
-        new.shm_retries, err = option(opts, "shm_retries",
-                                      DEFAULT_SHM_RETRIES, false,
-                                      "0 or greater")
-    end
-    if err then
+    local new, err = numbers(opts)
+    if not new then
         return nil, err
     end
+    common.warn_unknown("resty.worker.events", opts, KNOWN)
 
     local b = events.get()
     if not b then
@@ -301,7 +305,7 @@ function _M.configure(opts)
         if not ok then
             return nil, "failed to create timer: " .. err
         end
-        -- as worker-events celebrates being live
+        -- every worker learns that this one is up
         ok, err = _M.post(_M.events._source, _M.events.started)
         if not ok then
             return nil, err
@@ -396,18 +400,22 @@ function _M.unregister(callback, source, ...)
 end
 
 
--- A table of event names that errors on a name it does not hold.
+-- an event list raises on a name it does not hold (a misspelt event)
+local UNKNOWN_EVENT = {
+    __index = function(_, key)
+        error("event '" .. tostring(key) .. "' is an unknown event", 2)
+    end,
+}
+
+
+-- event_list(source, name, ...): { _source = source, [name] = name, ... }
 function _M.event_list(source, ...)
     local list = { _source = source }
     for i = 1, select("#", ...) do
-        local ev = select(i, ...)
-        list[ev] = ev
+        local name = select(i, ...)
+        list[name] = name
     end
-    return setmetatable(list, {
-        __index = function(_, key)
-            error("event '" .. tostring(key) .. "' is an unknown event", 2)
-        end,
-    })
+    return setmetatable(list, UNKNOWN_EVENT)
 end
 
 

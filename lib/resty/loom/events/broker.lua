@@ -15,6 +15,7 @@ local frame = require "resty.loom.events.frame"
 local fifo = require "resty.loom.events.fifo"
 local ring = require "resty.loom.events.ring"
 local semaphore = require "ngx.semaphore"
+local clear = require "table.clear"
 local yield = require("resty.loom.yield").yield
 
 local C = ffi.C
@@ -44,6 +45,7 @@ local T_PING = frame.PING
 local T_PONG = frame.PONG
 local T_REJECT = frame.REJECT
 local T_BYE = frame.BYE
+local T_URGENT = frame.URGENT
 local FRAME_SIZE = frame.FRAME_SIZE
 local EVENT_SIZE = frame.EVENT_SIZE
 local ALL = frame.ALL
@@ -83,7 +85,7 @@ local function state(bus)
     end
     b = {
         queues = {},         -- worker id -> queue
-        conns = 0,
+        remote = 0,          -- connections over the socket
         next_bidx = 1,       -- broker-wide index of forwarded events
         unique = {},         -- key -> expiry
         unique_count = 0,
@@ -95,8 +97,11 @@ local function state(bus)
             unique_suppressed = 0,
             dropped = {},    -- reason -> count
             slow_waits = 0,
+            urgent_missed = 0,   -- urgent events for a worker not connected
+            over_bound = 0,      -- events queued within a publisher's share
+                                 -- of a full queue
         },
-        last_warn = 0,
+        last_warn = {},      -- reason -> time of its last warning
         slow_timeout = bus.opts.slow_timeout,
     }
     bus.broker_state = b
@@ -115,6 +120,12 @@ local function queue(b, wid)
             inflight_bidx = nil,-- oldest event in the send under way
             conn = nil,         -- the connection currently attached
             overflowing = false,-- dropping until the writer catches up
+            gone = false,       -- its worker said goodbye: exiting
+            -- publisher worker id -> its events queued (not yet taken by
+            -- the writer), and how many publishers have some: fair shares
+            by = {},
+            publishers = 0,
+            dropped = 0,        -- events dropped for it
             writer = nil,       -- the connection whose writer owns buf
             -- buf starts with what was written to the worker and not yet
             -- acknowledged by it: sent_bytes, sent_events; a record per
@@ -142,8 +153,33 @@ local function wake_writer(q)
 end
 
 
-local function count(t, key)
-    t[key] = (t[key] or 0) + 1
+local function count(t, key, n)
+    t[key] = (t[key] or 0) + (n or 1)
+end
+
+
+-- counts n events dropped for q's worker; a warning per reason at most
+-- once per interval, naming the publisher and the event when given
+local function drop(b, q, reason, n, from, p, len)
+    local dropped = b.stats.dropped
+    count(dropped, reason, n)
+    q.dropped = q.dropped + n
+    local now = ngx_now()
+    if now - (b.last_warn[reason] or 0) >= LOG_INTERVAL then
+        b.last_warn[reason] = now
+        local what = ""
+        if p then
+            local e = frame.check_event(p, len)
+            local off = EVENT_SIZE + e.key_len
+            local ok, source, event = pcall(frame.decode_body, p + off,
+                                            e.body_len)
+            what = " from worker " .. tostring(from)
+                   .. (ok and (", source=" .. source .. " event=" .. event)
+                       or "")
+        end
+        log(WARN, "dropping events for worker ", q.wid, ": ", reason, what,
+            " (", dropped[reason], " so far)")
+    end
 end
 
 
@@ -168,14 +204,19 @@ end
 -- slow_timeout, or that has not acknowledged a write that old. It holds
 -- nobody's acknowledgements back (what is queued for it is then lost to
 -- it if the broker crashes as well).
+local function too_slow(q, now, slow)
+    local _, _, _, _, sent_at = q.sent:first()
+    return q.overflowing or (q.send_since and now - q.send_since >= slow)
+           or (sent_at and now - sent_at >= slow)
+end
+
+
 local function watermark(b, slow)
     local low = b.next_bidx
     local now = ngx_now()
     for _, q in pairs(b.queues) do
-        local _, _, _, sent_bidx, sent_at = q.sent:first()
-        if q.conn and not q.overflowing
-           and not (q.send_since and now - q.send_since >= slow)
-           and not (sent_at and now - sent_at >= slow) then
+        if q.conn and not too_slow(q, now, slow) then
+            local _, _, _, sent_bidx = q.sent:first()
             -- the oldest of: unacknowledged, being written, queued (an
             -- enqueue that waited may put an earlier event behind a send)
             local i = sent_bidx
@@ -268,8 +309,19 @@ end
 local function send_queued(q, c, left, bidx)
     local sock = c.sock
     local buf = q.buf
+    local ctl = c.ctl
     local off = 0       -- bytes written of the event still open
     while left > 0 do
+        if #ctl > 0 and off == 0 then
+            -- acks, pongs and urgent events do not wait for the batch
+            -- (between whole frames)
+            local ok, err = sock:send(ctl:get())
+            if not ok then
+                c.closed = true
+                c.error = "failed to send: " .. err
+                return false
+            end
+        end
         -- (the pointer and the sent part again after every send: enqueue
         -- appends, and acknowledgements take from the front, meanwhile)
         local p = buf:ref() + q.sent_bytes
@@ -337,6 +389,13 @@ end
 local function deliver_queued(q, c)
     local batch = q.buf
     q.buf, c.spare = c.spare, batch
+    -- taken: room for what waits to be queued meanwhile (the handlers may
+    -- keep deliver waiting, as a socket keeps what it was written)
+    c.written = c.batch_events
+    local waiting = -q.space_sema:count()
+    if waiting > 0 then
+        q.space_sema:post(waiting)
+    end
     local ok, err = c.deliver(batch)
     batch:reset()
     if not ok then
@@ -383,6 +442,8 @@ local function writer(b, q, c)
             q.first_bidx = nil
             local events = q.n
             q.n = 0
+            clear(q.by)
+            q.publishers = 0
             c.batch_events, c.batch_bidx, c.written = events, bidx, 0
             q.send_since = ngx_now()
             if c.deliver then
@@ -465,12 +526,29 @@ end
 -- Appends one event (payload p, len) to q, waiting (up to slow_timeout)
 -- for room when q is full and its worker is connected. Returns false when
 -- it had to drop it (counted, logged at most once per interval).
-local function enqueue(bus, b, q, seq, bidx, p, len)
+local function enqueue(bus, b, q, from, seq, bidx, p, len)
+    if q.gone then
+        -- (nobody will read it: its worker is exiting, and no successor
+        -- comes in this generation)
+        drop(b, q, "worker gone", 1, from, p, len)
+        return false
+    end
     local opts = bus.opts
-    local max_n, max_bytes = opts.max_queue, opts.max_queue_bytes
-    local used = #q.buf - q.sent_bytes + len
-    if (unwritten(q) >= max_n or used > max_bytes)
-       and q.conn and not q.overflowing then
+    local max_n, max_bytes = opts.max_backlog, opts.max_queue_bytes
+    local full = unwritten(q) >= max_n
+    local mine = q.by[from] or 0
+    local others = q.publishers - (mine > 0 and 1 or 0)
+    if full and others > 0 and (mine + 1) * (others + 1) <= max_n then
+        -- Fair shares: a publisher within its share of what is queued
+        -- (max_backlog over the publishers with events in it) does not
+        -- wait behind others that flood the queue; only those beyond
+        -- their share wait for room, so the queue holds at most about
+        -- twice max_backlog events (its bytes stay bounded)
+        full = false
+        b.stats.over_bound = b.stats.over_bound + 1
+    end
+    full = full or #q.buf - q.sent_bytes + len > max_bytes
+    if full and q.conn and not q.overflowing then
         b.stats.slow_waits = b.stats.slow_waits + 1
         local deadline = ngx_now() + opts.slow_timeout
         while q.conn and (unwritten(q) >= max_n
@@ -479,28 +557,63 @@ local function enqueue(bus, b, q, seq, bidx, p, len)
             q.space_sema:wait(0.1)
         end
     end
-    if unwritten(q) >= max_n or #q.buf - q.sent_bytes + len > max_bytes then
+    if full and (unwritten(q) >= max_n
+                 or #q.buf - q.sent_bytes + len > max_bytes) then
         -- no more waiting for this worker until its writer catches up
         q.overflowing = true
-        local reason = q.conn and "subscriber too slow"
-                       or "worker down, queue full"
-        count(b.stats.dropped, reason)
-        local now = ngx_now()
-        if now - b.last_warn >= LOG_INTERVAL then
-            b.last_warn = now
-            log(WARN, "dropping events for worker ", q.wid, ": ", reason,
-                " (", b.stats.dropped[reason], " so far)")
-        end
+        drop(b, q, q.conn and "subscriber too slow"
+                   or "worker down, queue full", 1, from, p, len)
         return false
     end
     frame.put_chunked(q.buf, T_EVENT, seq, p, len)
     q.n = q.n + 1
+    if mine == 0 then
+        q.publishers = q.publishers + 1
+    end
+    q.by[from] = mine + 1
     -- the oldest unwritten event: another publisher's earlier event may be
     -- enqueued after a later one when an enqueue waited
     if not q.first_bidx or bidx < q.first_bidx then
         q.first_bidx = bidx
     end
     wake_writer(q)
+    return true
+end
+
+
+-- An urgent event (collect) goes at once to each target's connection,
+-- ahead of what is queued for it; to a worker not connected it is lost,
+-- counted (its sender waits for its answer with a timeout).
+local function forward_urgent(bus, b, c, p, len)
+    local e, why = frame.check_event(p, len)
+    if not e then
+        return nil, why
+    end
+    local target = e.target
+    local first, last = target, target
+    if target == ALL or target == OTHERS then
+        first = bus.opts.privileged_agent and AGENT or 0
+        last = bus.worker_count - 1
+    elseif not ((target >= 0 and target < bus.worker_count)
+                or (target == AGENT and bus.opts.privileged_agent)) then
+        count(b.stats.dropped, "bad target")
+        return true
+    end
+    for wid = first, last do
+        local q = b.queues[wid]
+        local to = q and q.conn
+        if wid == c.wid then -- luacheck: ignore 542
+            -- (the sender answers itself)
+        elseif not to then
+            b.stats.urgent_missed = b.stats.urgent_missed + 1
+        elseif to.urgent then
+            -- the broker worker's own link
+            to.urgent(p, len)
+        else
+            frame.put_chunked(to.ctl, T_URGENT, 0, p, len)
+            wake_writer(q)
+        end
+    end
     return true
 end
 
@@ -521,7 +634,7 @@ local function forward(bus, b, c, seq, p, len)
         local skip = c.wid
         for wid = bus.opts.privileged_agent and AGENT or 0, nworkers - 1 do
             if wid ~= skip then
-                enqueue(bus, b, queue(b, wid), seq, bidx, p, len)
+                enqueue(bus, b, queue(b, wid), c.wid, seq, bidx, p, len)
             end
         end
 
@@ -531,7 +644,7 @@ local function forward(bus, b, c, seq, p, len)
             b.stats.unique_suppressed = b.stats.unique_suppressed + 1
         else
             local wid = unique_target(key, nworkers)
-            if not enqueue(bus, b, queue(b, wid), seq, bidx, p, len) then
+            if not enqueue(bus, b, queue(b, wid), c.wid, seq, bidx, p, len) then
                 -- not delivered: a later publish of the key may be
                 b.unique[key] = nil
             end
@@ -539,7 +652,7 @@ local function forward(bus, b, c, seq, p, len)
 
     elseif (target >= 0 and target < nworkers)
            or (target == AGENT and bus.opts.privileged_agent) then
-        enqueue(bus, b, queue(b, target), seq, bidx, p, len)
+        enqueue(bus, b, queue(b, target), c.wid, seq, bidx, p, len)
 
     else
         count(b.stats.dropped, "bad target")
@@ -582,6 +695,12 @@ local function consume(bus, b, c, rbuf)
                 ok, why = forward(bus, b, c, seq, p, len)
                 c.partial = nil
             end
+            if not ok then
+                return nil, why
+            end
+
+        elseif typ == T_URGENT then
+            local ok, why = forward_urgent(bus, b, c, pp, h.len)
             if not ok then
                 return nil, why
             end
@@ -701,6 +820,10 @@ local function attach(b, q, c)
         q.data_sema:post(1)
     end
     q.conn = c
+    q.gone = false
+    if c.sock then
+        b.remote = b.remote + 1
+    end
     b.stats.accepted = b.stats.accepted + 1
     b.stats.connections = b.stats.connections + 1
 end
@@ -715,6 +838,20 @@ local function detach(b, q, c)
             q.inflight_bidx = nil
             q.send_since = nil
         end
+        if c.bye and not q.writer then
+            -- its worker is exiting: what it did not confirm, and what
+            -- comes for it from now on, is dropped and counted, not kept
+            -- for a successor that this generation will not start
+            q.gone = true
+            if q.n > 0 then
+                drop(b, q, "worker gone", q.n)
+            end
+            q.buf:reset()
+            q.n, q.first_bidx = 0, nil
+        end
+    end
+    if c.sock then
+        b.remote = b.remote - 1
     end
     b.stats.connections = b.stats.connections - 1
     send_acks(b)
@@ -823,6 +960,7 @@ function _M.serve(bus)
         log(INFO, "worker ", wid, " (pid ", pid, ") connected")
         local wt = spawn(writer, b, q, c)
         local rok, rerr = reader(bus, b, c)
+        c.bye = rok == true
         c.closed = true
         q.data_sema:post(1)
         -- a writer stuck in a send to a dead peer is stopped here; what
@@ -846,9 +984,10 @@ end
 
 -- The broker worker's own link: no socket, no acks. deliver(buf) hands
 -- the whole frames in buf to this worker's handlers and returns true, or
--- nil and an error. Starts the writer in the caller's context; returns the
--- link for take_local() and detach_local().
-function _M.attach_local(bus, deliver)
+-- nil and an error; urgent(p, len) handles an urgent event's payload.
+-- Starts the writer in the caller's context; returns the link for
+-- take_local() and detach_local().
+function _M.attach_local(bus, deliver, urgent)
     local b = state(bus)
     local wid = ngx.worker.id()
     local q = queue(b, wid)
@@ -859,6 +998,7 @@ function _M.attach_local(bus, deliver)
         ctl = buf_new(64),      -- stays empty: no pings, no acks
         spare = buf_new(65536),
         deliver = deliver,
+        urgent = urgent,
         closed = false,
     }
     attach(b, q, c)
@@ -884,10 +1024,19 @@ end
 function _M.detach_local(bus, c)
     local b = bus.broker_state
     local q = c.q
+    -- (only at exit)
+    c.bye = true
     c.closed = true
     q.data_sema:post(1)
     ngx.thread.wait(c.thread)
     detach(b, q, c)
+end
+
+
+-- Workers connected over the socket (the broker worker's own link is not).
+function _M.peers(bus)
+    local b = bus.broker_state
+    return b and b.remote or 0
 end
 
 
@@ -897,13 +1046,24 @@ function _M.stats(bus)
         return nil
     end
     local queues = {}
+    local slow = {}
+    local now = ngx_now()
     for wid, q in pairs(b.queues) do
+        local is_slow = q.conn ~= nil
+                        and too_slow(q, now, b.slow_timeout) and true
+                        or false
         queues[tostring(wid)] = {
             events = unwritten(q) + q.sent_events,
             bytes = #q.buf,
             connected = q.conn ~= nil,
+            slow = is_slow,
+            dropped = q.dropped,
         }
+        if is_slow then
+            slow[#slow + 1] = wid
+        end
     end
+    table.sort(slow)
     local s = b.stats
     return {
         connections = s.connections,
@@ -913,6 +1073,9 @@ function _M.stats(bus)
         unique_suppressed = s.unique_suppressed,
         dropped = s.dropped,
         slow_waits = s.slow_waits,
+        urgent_missed = s.urgent_missed,
+        over_bound = s.over_bound,
+        slow = slow,
         queues = queues,
     }
 end

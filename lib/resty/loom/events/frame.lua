@@ -92,7 +92,10 @@ local T_PING = 5
 local T_PONG = 6
 local T_REJECT = 7
 local T_BYE = 8
-local T_MAX = 8
+-- an event of the bus's own (collect): one frame, no sequence number, no
+-- acknowledgement; sent ahead of queued events and handled on arrival
+local T_URGENT = 9
+local T_MAX = 9
 
 -- reused scratch buffer for event bodies (the worker is single-threaded)
 local body = buf_new(4096)
@@ -119,6 +122,7 @@ local _M = {
     PONG = T_PONG,
     REJECT = T_REJECT,
     BYE = T_BYE,
+    URGENT = T_URGENT,
     -- targets other than a worker id (>= 0); -1 is the privileged agent
     AGENT = -1,
     ALL = -2,
@@ -255,6 +259,17 @@ function _M.put_event(buf, seq, target, publisher, pid, incarnation,
     local p, plen = payload:ref()
     put_chunked(buf, T_EVENT, seq, p, plen)
     return #buf - before
+end
+
+
+-- Appends an urgent event (whose body encode_body() just produced, at most
+-- CHUNK bytes with its event header) to buf.
+function _M.put_urgent(buf, target, publisher, pid, incarnation)
+    local bp, body_len = body:ref()
+    put_header(buf, T_URGENT, 0, EVENT_SIZE + body_len, 0)
+    put_payload(buf, target, publisher, pid, incarnation, 0, 0, nil, 0, bp,
+                body_len)
+    put_trailer(buf, 0, 0)
 end
 
 

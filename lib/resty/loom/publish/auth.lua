@@ -23,6 +23,7 @@ local json_decode = cjson.decode
 local type = type
 local concat = table.concat
 local tostring = tostring
+local pairs = pairs
 local floor = math.floor
 local ceil = math.ceil
 local io_open = io.open
@@ -39,6 +40,7 @@ local DEFAULT_METADATA_HOST = "169.254.169.254"
 local JWT_LIFETIME = 3600
 local LOCK_TTL = 30
 local WAIT_STEP = 0.02
+local REFUSED_WAIT = 5
 
 -- one credential object per worker per identity, shared by all publishers
 local registry = {}
@@ -59,50 +61,94 @@ local function read_file(path)
 end
 
 
-local function load_key(opts)
+local function load_key(opts, label)
     local key = opts.key
     if key == nil and opts.key_file ~= nil then
         if type(opts.key_file) ~= "string" then
-            error("credentials.key_file must be a string", 3)
+            error(label .. ".key_file must be a string", 3)
         end
         local data, err = read_file(opts.key_file)
         if not data then
-            error("failed to read credentials.key_file: " .. err, 3)
+            error(label .. ".key_file: failed to read: " .. err, 3)
         end
         key = data
     end
     if type(key) == "string" then
         local t = json_decode(key)
         if type(t) ~= "table" then
-            error("credentials key is not valid JSON", 3)
+            error(label .. " key is not valid JSON", 3)
         end
         key = t
     end
     if type(key) ~= "table" then
-        error("credentials.key or credentials.key_file is required", 3)
+        error(label .. ".key or " .. label .. ".key_file is required", 3)
     end
     if type(key.client_email) ~= "string"
        or type(key.private_key) ~= "string"
     then
-        error("credentials key needs client_email and private_key", 3)
+        error(label .. " key needs client_email and private_key", 3)
     end
     return key
 end
 
 
-local function secs(opts, name, default)
+-- every option of the credentials table
+local OPTIONS = {
+    type = true, key = true, key_file = true, self_signed_jwt = true,
+    scopes = true, token_uri = true, metadata_host = true, token = true,
+    shm = true, refresh_margin = true, timeout = true, ssl_verify = true,
+    audience = true,
+}
+
+
+local function secs(opts, name, default, label)
     local v = opts[name]
     if v == nil then
         return default
     end
-    if type(v) ~= "number" or v < 0 then
-        error("credentials." .. name .. " must be a non-negative number", 3)
+    if type(v) ~= "number" or not (v > 0 and v <= 86400) then
+        error(label .. "." .. name .. " must be a number above 0 to 86400",
+              3)
     end
     return v
 end
 
 
--- Fetches a fresh token: returns token, lifetime (seconds) or nil, err.
+-- auth.check(opts, label): raises unless every key of opts is a known
+-- credentials option of the right type, and the table says which
+-- credentials it is
+local function check(opts, label)
+    if type(opts) ~= "table" then
+        error(label .. " must be a table", 3)
+    end
+    for k, v in pairs(opts) do
+        if not OPTIONS[k] then
+            error(label .. "." .. tostring(k) .. ": unknown option", 3)
+        end
+        local want = "string"
+        if k == "key" or k == "scopes" then
+            want = type(v) == "table" and "table" or "string"
+        elseif k == "self_signed_jwt" or k == "ssl_verify" then
+            want = "boolean"
+        elseif k == "refresh_margin" or k == "timeout" then
+            want = "number"
+        end
+        if type(v) ~= want or v == "" then
+            error(label .. "." .. k .. " must be a"
+                  .. (want == "string" and " non-empty " or " ") .. want, 3)
+        end
+    end
+    if opts.type == nil and opts.key == nil and opts.key_file == nil
+       and opts.token == nil
+    then
+        error(label .. " must give key, key_file, token or type", 3)
+    end
+end
+
+
+-- Fetches a fresh token: returns token, lifetime (seconds) or nil, err,
+-- permanent (true when asking again cannot help: the endpoint refused the
+-- credentials, or cannot be reached for good)
 local function fetch(self)
     local kind = self.kind
     if kind == "self_signed" then
@@ -117,7 +163,7 @@ local function fetch(self)
         return tok, JWT_LIFETIME
     end
 
-    local res, err
+    local res, err, permanent
     if kind == "service_account" then
         local now = floor(ngx_now())
         local assertion
@@ -128,27 +174,30 @@ local function fetch(self)
         if not assertion then
             return nil, err
         end
-        res, err = self.client:request("POST", self.token_path, {
+        res, err, permanent = self.client:request("POST", self.token_path, {
             ["Content-Type"] = "application/x-www-form-urlencoded",
             ["Accept"] = "application/json",
         }, "grant_type=urn%3Aietf%3Aparams%3Aoauth%3Agrant-type%3Ajwt-bearer"
            .. "&assertion=" .. escape_uri(assertion))
 
     else -- metadata
-        res, err = self.client:request("GET", self.token_path, {
+        res, err, permanent = self.client:request("GET", self.token_path, {
             ["Metadata-Flavor"] = "Google",
             ["Accept"] = "application/json",
         })
     end
     if not res then
-        return nil, "failed to fetch token: " .. err
+        return nil, "failed to fetch token: " .. err, permanent
     end
     local body = json_decode(res.body)
     if res.status ~= 200 then
         local reason = type(body) == "table"
                        and (body.error_description or body.error)
-        return nil, "failed to fetch token: status " .. res.status
-                    .. (type(reason) == "string" and (": " .. reason) or "")
+        local status = res.status
+        return nil, "failed to fetch token: status " .. status
+                    .. (type(reason) == "string" and (": " .. reason) or ""),
+               status >= 400 and status < 500 and status ~= 408
+               and status ~= 429
     end
     if type(body) ~= "table" or type(body.access_token) ~= "string"
        or body.access_token == ""
@@ -160,10 +209,16 @@ local function fetch(self)
 end
 
 
--- Refreshes under the lock; returns token or nil, err. Caller holds no lock.
+-- Refreshes under the lock; returns token or nil, err, permanent. Caller
+-- holds no lock.
 local function refresh(self)
     local shm = self.shm
     local key = self.key
+    -- a refusal (bad key, revoked account) stands for a while: publishing
+    -- must not ask the token endpoint again for every batch
+    if self.refused_until and ngx_now() < self.refused_until then
+        return nil, self.refused, true
+    end
     if shm then
         local ok = shm:add(self.lock_key, ngx.worker.pid(), LOCK_TTL)
         if not ok then
@@ -183,14 +238,18 @@ local function refresh(self)
         end
     end
     self.refreshing = true
-    local tok, ttl = fetch(self)
+    local tok, ttl, permanent = fetch(self)
     self.refreshing = false
     if not tok then
         if shm then
             shm:delete(self.lock_key)
         end
         self.failures = self.failures + 1
-        return nil, ttl
+        if permanent then
+            self.refused = ttl
+            self.refused_until = ngx_now() + REFUSED_WAIT
+        end
+        return nil, ttl, permanent
     end
     local now = ngx_now()
     -- refresh when the margin is left; a token living less than twice the
@@ -236,8 +295,8 @@ local function cached(self)
 end
 
 
--- token, err = cred:get(timeout): a valid token (nil for kind "none");
--- may yield: call it from a timer or a yieldable phase
+-- token, err, permanent = cred:get(timeout): a valid token (nil for kind
+-- "none"); may yield: call it from a timer or a yieldable phase
 function _M.get(self, timeout)
     local kind = self.kind
     if kind == "none" then
@@ -254,7 +313,7 @@ function _M.get(self, timeout)
         if tok and now < refresh_at then
             return tok
         end
-        local fresh, err = refresh(self)
+        local fresh, err, permanent = refresh(self)
         if fresh then
             return fresh
         end
@@ -264,7 +323,7 @@ function _M.get(self, timeout)
             return tok
         end
         if err ~= "busy" then
-            return nil, err
+            return nil, err, permanent
         end
         if now >= deadline then
             return nil, "failed to get token: timeout"
@@ -338,7 +397,8 @@ function _M.start(self)
 end
 
 
--- cred = auth.new(opts) (raises on bad options)
+-- cred = auth.new(opts, label) (raises on bad options, naming them as
+-- label.<option>, "credentials" by default)
 --   opts.type: "service_account" (default when key/key_file is given),
 --     "metadata", "token", "none"
 --   opts.key / opts.key_file: the JSON key (table, string or file path)
@@ -347,21 +407,15 @@ end
 --   opts.scopes, opts.token_uri, opts.metadata_host, opts.token,
 --   opts.shm (lua_shared_dict name), opts.refresh_margin (300 s),
 --   opts.timeout (10 s), opts.ssl_verify (true), opts.audience
-function _M.new(opts)
-    if opts == nil then
-        opts = { type = "none" }
-    end
-    if type(opts) ~= "table" then
-        error("credentials must be a table", 2)
-    end
+function _M.new(opts, label)
+    label = label or "credentials"
+    check(opts, label)
     local kind = opts.type
     if kind == nil then
         if opts.key ~= nil or opts.key_file ~= nil then
             kind = "service_account"
-        elseif opts.token ~= nil then
-            kind = "token"
         else
-            kind = "none"
+            kind = "token"
         end
     end
     if kind == "service_account" and opts.self_signed_jwt then
@@ -370,13 +424,13 @@ function _M.new(opts)
 
     local self = {
         kind = kind,
-        margin = secs(opts, "refresh_margin", 300),
+        margin = secs(opts, "refresh_margin", 300, label),
         refreshes = 0,
         failures = 0,
         started = false,
         refreshing = false,
     }
-    local timeout = secs(opts, "timeout", 10)
+    local timeout = secs(opts, "timeout", 10, label)
     local identity
 
     if kind == "none" then
@@ -384,17 +438,17 @@ function _M.new(opts)
 
     elseif kind == "token" then
         if type(opts.token) ~= "string" or opts.token == "" then
-            error("credentials.token must be a non-empty string", 2)
+            error(label .. ".token must be a non-empty string", 2)
         end
         self.kind = "static"
         self.token = opts.token
         return setmetatable(self, mt)
 
     elseif kind == "service_account" or kind == "self_signed" then
-        local key = load_key(opts)
+        local key = load_key(opts, label)
         local signer, err = jwt.new(key.private_key)
         if not signer then
-            error("credentials private_key: " .. err, 2)
+            error(label .. " private_key: " .. err, 2)
         end
         self.signer = signer
         self.email = key.client_email
@@ -411,7 +465,7 @@ function _M.new(opts)
             local uri = opts.token_uri or key.token_uri or DEFAULT_TOKEN_URI
             local scheme, host, port, path = http.parse_url(uri)
             if not scheme then
-                error("credentials token_uri: " .. host, 2)
+                error(label .. " token_uri: " .. host, 2)
             end
             self.token_uri = uri
             self.token_path = path
@@ -429,7 +483,7 @@ function _M.new(opts)
                      or DEFAULT_METADATA_HOST
         local h, port = host:match("^([^:]+):?(%d*)$")
         if not h then
-            error("credentials.metadata_host is not host[:port]", 2)
+            error(label .. ".metadata_host is not host[:port]", 2)
         end
         local path = METADATA_PATH
         if opts.scopes then
@@ -448,7 +502,7 @@ function _M.new(opts)
         identity = "md:" .. host .. path
 
     else
-        error("credentials.type must be service_account, metadata, token "
+        error(label .. ".type must be service_account, metadata, token "
               .. "or none", 2)
     end
 
@@ -456,7 +510,7 @@ function _M.new(opts)
     if shm_name ~= nil then
         local shm = ngx.shared[shm_name]
         if not shm then
-            error("credentials.shm: no lua_shared_dict " .. tostring(shm_name),
+            error(label .. ".shm: no lua_shared_dict " .. tostring(shm_name),
                   2)
         end
         self.shm = shm
@@ -475,6 +529,11 @@ function _M.new(opts)
     setmetatable(self, mt)
     registry[reg_key] = self
     return self
+end
+
+
+function _M.check(opts, label)
+    check(opts, label or "credentials")
 end
 
 

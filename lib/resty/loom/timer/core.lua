@@ -16,6 +16,7 @@ local bit = require "bit"
 local wheel = require "resty.loom.timer.wheel"
 local array = require "resty.loom.timer.array"
 local stats = require "resty.loom.timer.stats"
+local on_error = require("resty.loom.error_handler").handler
 
 local ffi_sizeof = ffi.sizeof
 local arr_new = array.new
@@ -33,14 +34,12 @@ local xpcall = xpcall
 local unpack = unpack
 local tostring = tostring
 local setmetatable = setmetatable
-local getmetatable = getmetatable
 local tonumber = tonumber
 local pairs = pairs
 local str_find = string.find
 local str_sub = string.sub
 local tbl_concat = table.concat
 local getinfo = debug.getinfo
-local traceback = debug.traceback
 local record = stats.record
 local new_record = stats.new_record
 
@@ -170,36 +169,6 @@ for k, v in pairs(COMMON_OPTS) do
 end
 _M.AT_OPTS = AT_OPTS
 _M.EVERY_OPTS = EVERY_OPTS
-
-
-local ok_cjson, cjson = pcall(require, "cjson.safe")
-local json_encode = ok_cjson and cjson.encode or nil
-
-
--- an error value as text: a table without __tostring as JSON when it
--- encodes ("table: 0x..." says nothing)
-local function describe(err)
-    if type(err) == "string" then
-        return err
-    end
-    if type(err) == "table" and json_encode then
-        local mt_ = getmetatable(err)
-        if not (mt_ and mt_.__tostring) then
-            local s = json_encode(err)
-            if s then
-                return s
-            end
-        end
-    end
-    return tostring(err)
-end
-
-
--- the traceback starts at the frame that raised the error (level 2: the
--- frame below this handler)
-local function on_error(err)
-    return traceback(describe(err), 2)
-end
 
 
 local function default_log(_, msg)

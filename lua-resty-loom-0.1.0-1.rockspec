@@ -1,0 +1,62 @@
+-- LuaRocks: the Lua modules of resty-loom. The nginx module they need,
+-- ngx_loom_module.so, must be built against the nginx that loads it: it is
+-- not a Lua C module, so this rock does not build it; `make build` in the
+-- checkout does (or install the Debian package, `make deb`).
+rockspec_format = "3.0"
+package = "lua-resty-loom"
+version = "0.1.0-1"
+source = {
+   url = "git+https://github.com/resty-loom/lua-resty-loom.git",
+   tag = "v0.1.0",
+}
+description = {
+   summary = "Inter-worker events, a timing wheel, native offload, an "
+             .. "event-loop watchdog and batched Pub/Sub publishing for "
+             .. "nginx + LuaJIT",
+   detailed = [[
+resty.loom.events (an acknowledged inter-worker event bus with
+lua-resty-events and lua-resty-worker-events compatible APIs),
+resty.loom.timer (a timing wheel on reused runners), resty.loom.offload
+(native calls on threads), resty.loom.watchdog (finds code blocking the
+event loop), resty.loom.publish (batched Google Cloud Pub/Sub publishing).
+Needs lua-nginx-module, lua-resty-core and the ngx_loom_module nginx
+module, built with `make build`.]],
+   homepage = "https://github.com/resty-loom/lua-resty-loom",
+   license = "BSD-2-Clause",
+}
+dependencies = {
+   "lua == 5.1",
+}
+build = {
+   type = "builtin",
+   modules = {
+      ["resty.loom.compat.common"] = "lib/resty/loom/compat/common.lua",
+      ["resty.loom.compat.disable_listening"] = "lib/resty/loom/compat/disable_listening.lua",
+      ["resty.loom.compat.events"] = "lib/resty/loom/compat/events.lua",
+      ["resty.loom.compat.events_compat"] = "lib/resty/loom/compat/events_compat.lua",
+      ["resty.loom.compat.worker_events"] = "lib/resty/loom/compat/worker_events.lua",
+      ["resty.loom.error_handler"] = "lib/resty/loom/error_handler.lua",
+      ["resty.loom.events"] = "lib/resty/loom/events.lua",
+      ["resty.loom.events.broker"] = "lib/resty/loom/events/broker.lua",
+      ["resty.loom.events.fifo"] = "lib/resty/loom/events/fifo.lua",
+      ["resty.loom.events.frame"] = "lib/resty/loom/events/frame.lua",
+      ["resty.loom.events.ring"] = "lib/resty/loom/events/ring.lua",
+      ["resty.loom.flamegraph"] = "lib/resty/loom/flamegraph.lua",
+      ["resty.loom.histogram"] = "lib/resty/loom/histogram.lua",
+      ["resty.loom.http"] = "lib/resty/loom/http.lua",
+      ["resty.loom.jwt"] = "lib/resty/loom/jwt.lua",
+      ["resty.loom.offload"] = "lib/resty/loom/offload.lua",
+      ["resty.loom.publish"] = "lib/resty/loom/publish.lua",
+      ["resty.loom.publish.auth"] = "lib/resty/loom/publish/auth.lua",
+      ["resty.loom.publish.base64"] = "lib/resty/loom/publish/base64.lua",
+      ["resty.loom.publish.json"] = "lib/resty/loom/publish/json.lua",
+      ["resty.loom.timer"] = "lib/resty/loom/timer.lua",
+      ["resty.loom.timer.array"] = "lib/resty/loom/timer/array.lua",
+      ["resty.loom.timer.core"] = "lib/resty/loom/timer/core.lua",
+      ["resty.loom.timer.stats"] = "lib/resty/loom/timer/stats.lua",
+      ["resty.loom.timer.wheel"] = "lib/resty/loom/timer/wheel.lua",
+      ["resty.loom.watchdog"] = "lib/resty/loom/watchdog.lua",
+      ["resty.loom.yield"] = "lib/resty/loom/yield.lua",
+   },
+   copy_directories = { "docs" },
+}

@@ -1,0 +1,611 @@
+
+/*
+ * Copyright (C) resty-loom authors
+ *
+ * The offload queue, one per runtime and worker: the bounded list of
+ * tasks Lua submits (ngx_loom_offload_ffi_submit) and the runtime's own
+ * threads take with host->wait(). A thread waits on a mutex and condition
+ * variable, with a short adaptive spin first so that a busy runtime
+ * thread picks the next task up without a futex wake-up. Sleeping threads
+ * are woken once per event loop iteration (a posted event), not once per
+ * task, and only as many as the backlog needs given how long tasks take:
+ * a fast runtime's tasks are left to the threads already awake. Tasks
+ * taken and not yet answered are "held", by address, so that answer()
+ * can refuse a task the runtime does not hold.
+ */
+
+
+#include "ngx_loom_offload.h"
+#include <sched.h>
+
+
+#define LOOM_MIN_INLINE_RSP          256
+
+/*
+ * roughly what waking a sleeping runtime thread costs (a futex call on
+ * each side, often a wake-up on the other CPU): tasks the awake threads
+ * will take within this time are left to them, and a thread busy for
+ * longer than this gets help
+ */
+#define LOOM_WAKE_NS                 50000
+
+/* how soon tasks left to busy threads are looked at again (ms) */
+#define LOOM_WAKE_CHECK_MS           1
+
+/*
+ * a spin that found a task only after this long cost its CPU more than the
+ * wake-up it saved (a futex call on each side): it counts as a miss, and
+ * the spin window halves. Under concurrent load tasks come every few tens
+ * of microseconds, and a spinner that caught each of them late kept the
+ * full window and a CPU the event loops needed
+ */
+#define LOOM_SPIN_PAYS_NS            10000
+
+/*
+ * tasks runtime threads hold (taken, not answered), by address: answer()
+ * checks a task against them before it touches it, so that a second
+ * answer, or an answer for something never taken, is refused and logged
+ * instead of corrupting the worker. Striped to keep answers from
+ * different threads apart
+ */
+#define LOOM_HELD_STRIPES            64
+
+
+static void ngx_loom_offload_back(loom_offload_queue_t *q, uint64_t now);
+static ngx_uint_t ngx_loom_offload_wakes(loom_offload_queue_t *q,
+    uint64_t now);
+static ngx_uint_t ngx_loom_offload_may_poll(loom_offload_queue_t *q,
+    uint64_t pick_ns);
+static void ngx_loom_offload_held_mutexes(void);
+
+/* FFI entry points */
+int ngx_loom_offload_ffi_submit(ngx_http_request_t *r,
+    loom_offload_queue_t *q, const u_char *data, size_t len,
+    loom_offload_task_t **out, void **sem);
+
+
+static ngx_loom_offload_held_t  ngx_loom_offload_held[LOOM_HELD_STRIPES];
+static pthread_once_t           ngx_loom_offload_held_once = PTHREAD_ONCE_INIT;
+
+
+/*
+ * the queue a runtime thread took its last task from, and when: the
+ * thread is "busy" until it calls wait() again (how long that takes is
+ * the queue's service time, which decides whether a new task is left to
+ * it or a sleeping thread is woken)
+ */
+__thread loom_offload_queue_t  *ngx_loom_offload_tls_q;
+static __thread uint64_t        ngx_loom_offload_tls_ns;
+
+
+int
+ngx_loom_offload_ffi_submit(ngx_http_request_t *r, loom_offload_queue_t *q,
+    const u_char *data, size_t len, loom_offload_task_t **out, void **sem)
+{
+    char                       *errmsg;
+    size_t                      cap;
+    uint64_t                    now;
+    ngx_http_cleanup_t         *cln;
+    loom_offload_task_t        *t;
+    ngx_loom_offload_rctx_t    *rctx;
+    ngx_loom_offload_worker_t  *w;
+
+    w = &ngx_loom_offload_w;
+
+    if (ngx_loom_load(&q->closed)) {
+        return LOOM_FFI_DECLINED;
+    }
+
+    if (ngx_loom_load(&q->npending) >= q->bound) {
+        q->rejected++;
+        return LOOM_FFI_BUSY;
+    }
+
+    rctx = ngx_http_get_module_ctx(r->main, ngx_loom_offload_module);
+
+    if (rctx == NULL) {
+        rctx = ngx_palloc(r->main->pool, sizeof(ngx_loom_offload_rctx_t));
+        if (rctx == NULL) {
+            return LOOM_FFI_ERROR;
+        }
+
+        cln = ngx_http_cleanup_add(r->main, 0);
+        if (cln == NULL) {
+            return LOOM_FFI_ERROR;
+        }
+
+        ngx_queue_init(&rctx->tasks);
+
+        cln->handler = ngx_loom_offload_request_cleanup;
+        cln->data = rctx;
+
+        ngx_http_set_ctx(r->main, rctx, ngx_loom_offload_module);
+    }
+
+    cap = len + 1;
+
+    if (cap < LOOM_MIN_INLINE_RSP) {
+        cap = LOOM_MIN_INLINE_RSP;
+    }
+
+    t = malloc(offsetof(loom_offload_task_t, data) + cap);
+    if (t == NULL) {
+        return LOOM_FFI_ERROR;
+    }
+
+    ngx_memzero(t, offsetof(loom_offload_task_t, data));
+
+    if (w->sema_new(&t->sem, 0, &errmsg) != NGX_OK) {
+        free(t);
+        return LOOM_FFI_ERROR;
+    }
+
+    if (len) {
+        ngx_memcpy(t->data, data, len);
+    }
+
+    t->data[len] = '\0';
+    now = ngx_loom_offload_now_ns();
+
+    t->req_len = len;
+    t->cap = cap;
+    t->queue = q;
+    t->start_ns = now;
+    t->lua = 1;
+    t->rt = 1;
+    t->in_request = 1;
+    t->where = LOOM_WHERE_PENDING;
+
+    ngx_queue_insert_tail(&rctx->tasks, &t->rlink);
+    ngx_queue_insert_tail(&q->live, &t->live);
+
+    w->tasks++;
+
+    if (w->tasks > w->tasks_peak) {
+        w->tasks_peak = w->tasks;
+    }
+
+    pthread_mutex_lock(&q->mtx);
+
+    ngx_queue_insert_tail(&q->pending, &t->pending);
+    ngx_loom_store(&q->npending, q->npending + 1);
+
+    /*
+     * a spinning thread will see the task, and so will threads already
+     * signalled. For tasks nobody is coming for, sleepers are woken once
+     * per event loop iteration (a posted event), not once per task: the
+     * calls a batch of events makes cost one wake-up, and the mutex is
+     * not fought over while they are queued
+     */
+    if (q->sleepers > q->waking
+        && q->npending > q->spinners + q->waking)
+    {
+        if (ngx_loom_offload_may_poll(q, q->wake_ns)) {
+            /*
+             * an idle runtime, fast lately: the event loop is about to
+             * poll for the answer, so the thread is needed now
+             */
+            q->waking++;
+            t->woke = 1;
+            t->poll = 1;
+            pthread_cond_signal(&q->cond);
+
+        } else {
+            t->kick = 1;
+        }
+
+    } else {
+        /* decided here: a spinning thread may take the task at once */
+        t->poll = ngx_loom_offload_may_poll(q, q->pick_ns);
+    }
+
+    pthread_mutex_unlock(&q->mtx);
+
+    if (t->kick && !q->kick_ev.posted) {
+        ngx_post_event(&q->kick_ev, &ngx_posted_events);
+    }
+
+    q->submitted++;
+
+    if (q->npending > q->peak_queued) {
+        q->peak_queued = q->npending;
+    }
+
+    *out = t;
+    *sem = t->sem;
+
+    return LOOM_FFI_OK;
+}
+
+
+/*
+ * Under the queue mutex, right after a task was queued: the runtime is
+ * idle but for it, and a thread is expected to pick it up (pick_ns: one
+ * awake, or one woken) and answer within poll_us, going by recent tasks
+ */
+static ngx_uint_t
+ngx_loom_offload_may_poll(loom_offload_queue_t *q, uint64_t pick_ns)
+{
+    if (q->poll_ns == 0
+        || q->ewma_ns + pick_ns >= q->poll_ns
+        || q->state != LOOM_OFFLOAD_READY
+        || q->npending != 1
+        || q->taken != q->answered)
+    {
+        return 0;
+    }
+
+    if (q->poll_skip) {
+        q->poll_skip--;
+        return 0;
+    }
+
+    return 1;
+}
+
+
+int
+ngx_loom_offload_wait(loom_offload_queue_t *q, int timeout_ms,
+    loom_offload_task_t **task)
+{
+    int                       rc, slept;
+    uint64_t                  deadline, now, spin;
+    ngx_uint_t                n;
+    ngx_queue_t              *x;
+    struct timespec           ts;
+    loom_offload_task_t      *t;
+    loom_offload_queue_t     *prev;
+    ngx_loom_offload_held_t  *h;
+
+    *task = NULL;
+    slept = 0;
+
+    prev = ngx_loom_offload_tls_q;
+    now = 0;
+
+    if (prev) {
+        /* back from the task taken last: this thread is not busy now */
+        ngx_loom_offload_tls_q = NULL;
+        now = ngx_loom_offload_now_ns();
+
+        if (prev != q) {
+            pthread_mutex_lock(&prev->mtx);
+            ngx_loom_offload_back(prev, now);
+            pthread_mutex_unlock(&prev->mtx);
+        }
+    }
+
+    pthread_mutex_lock(&q->mtx);
+
+    if (prev == q) {
+        ngx_loom_offload_back(q, now);
+    }
+
+    spin = q->spin_cur_ns;
+
+    if (ngx_queue_empty(&q->pending) && !q->closed && spin
+        && q->spinners == 0 && timeout_ms != 0)
+    {
+        /*
+         * spin a little before sleeping: a thread that has just answered
+         * usually gets the next task within microseconds under load, and
+         * taking it without a futex wake-up saves a cross-CPU round trip;
+         * one spinner per queue is enough, the others sleep. The spin
+         * halves after each miss (or a task found late, see
+         * LOOM_SPIN_PAYS_NS) and is restored when tasks come within the
+         * spin window again, so an idle runtime soon stops spinning.
+         */
+
+        q->spinners++;
+        pthread_mutex_unlock(&q->mtx);
+
+        deadline = ngx_loom_offload_now_ns() + spin;
+
+        for (n = 1; ngx_loom_load(&q->npending) == 0
+                    && !ngx_loom_load(&q->closed); n++)
+        {
+            ngx_loom_cpu_relax();
+
+            if ((n & 63) == 0) {
+                if (ngx_loom_offload_now_ns() >= deadline) {
+                    break;
+                }
+
+                /* let whatever else wants this CPU run (nginx, say) */
+                sched_yield();
+            }
+        }
+
+        /* how long the spin lasted: deadline is its start plus spin */
+        now = ngx_loom_offload_now_ns();
+
+        pthread_mutex_lock(&q->mtx);
+        q->spinners--;
+
+        if (!ngx_queue_empty(&q->pending)
+            && now + spin - deadline <= LOOM_SPIN_PAYS_NS)
+        {
+            q->spin_cur_ns = q->spin_ns;
+
+        } else {
+            q->spin_cur_ns /= 2;
+
+            if (q->spin_cur_ns < 1000) {
+                q->spin_cur_ns = 0;
+            }
+        }
+    }
+
+    deadline = 0;
+    now = 0;
+
+    if (timeout_ms > 0) {
+        now = ngx_loom_offload_now_ns();
+        deadline = now + (uint64_t) timeout_ms * 1000000;
+        ts.tv_sec = deadline / 1000000000;
+        ts.tv_nsec = deadline % 1000000000;
+    }
+
+    while (ngx_queue_empty(&q->pending)) {
+
+        if (q->closed) {
+            pthread_mutex_unlock(&q->mtx);
+            return LOOM_OFFLOAD_CLOSED;
+        }
+
+        if (timeout_ms == 0) {
+            pthread_mutex_unlock(&q->mtx);
+            return LOOM_OFFLOAD_TIMEDOUT;
+        }
+
+        if (q->spin_ns && now == 0) {
+            now = ngx_loom_offload_now_ns();
+        }
+
+        slept = 1;
+        q->sleepers++;
+
+        if (timeout_ms < 0) {
+            rc = pthread_cond_wait(&q->cond, &q->mtx);
+
+        } else {
+            rc = pthread_cond_timedwait(&q->cond, &q->mtx, &ts);
+        }
+
+        q->sleepers--;
+
+        if (q->waking) {
+            q->waking--;
+        }
+
+        if (rc == ETIMEDOUT && ngx_queue_empty(&q->pending)) {
+            rc = q->closed ? LOOM_OFFLOAD_CLOSED : LOOM_OFFLOAD_TIMEDOUT;
+            pthread_mutex_unlock(&q->mtx);
+            return rc;
+        }
+    }
+
+    if (slept && q->spin_ns && q->spin_cur_ns < q->spin_ns
+        && ngx_loom_offload_now_ns() - now < q->spin_ns)
+    {
+        /* the task came within the spin window: spinning pays again */
+        q->spin_cur_ns = q->spin_ns;
+    }
+
+    x = ngx_queue_head(&q->pending);
+    ngx_queue_remove(x);
+
+    t = ngx_queue_data(x, loom_offload_task_t, pending);
+    t->where = LOOM_WHERE_TAKEN;
+
+    h = ngx_loom_offload_held_stripe(t);
+    pthread_mutex_lock(&h->mtx);
+    t->held_next = h->tasks;
+    h->tasks = t;
+    pthread_mutex_unlock(&h->mtx);
+
+    ngx_loom_store(&q->npending, q->npending - 1);
+    ngx_loom_store(&q->taken, q->taken + 1);
+
+    now = ngx_loom_offload_now_ns();
+
+    t->take_ns = now;
+    q->busy++;
+    q->progress_ns = now;
+
+    pthread_mutex_unlock(&q->mtx);
+
+    ngx_loom_offload_tls_q = q;
+    ngx_loom_offload_tls_ns = now;
+
+    *task = t;
+
+    return LOOM_OFFLOAD_TASK;
+}
+
+
+/* a runtime thread came back from a task (under the queue mutex) */
+static void
+ngx_loom_offload_back(loom_offload_queue_t *q, uint64_t now)
+{
+    uint64_t  d;
+
+    if (q->busy) {
+        q->busy--;
+    }
+
+    d = now > ngx_loom_offload_tls_ns ? now - ngx_loom_offload_tls_ns : 0;
+
+    q->svc_ns = q->svc_ns - q->svc_ns / 8 + d / 8;
+    q->progress_ns = now;
+}
+
+
+/*
+ * How many sleeping threads to wake for the tasks queued (under the
+ * queue mutex). Waking costs a futex call on each side and often a
+ * wake-up on the other CPU, so tasks the awake threads will soon be back
+ * for (a fast runtime, a short backlog) are left to them: enough threads
+ * are woken to take the queue within about one wake-up's time, judged by
+ * the average service time. A thread busy for longer than that (a slow
+ * or stuck task) gets help.
+ */
+static ngx_uint_t
+ngx_loom_offload_wakes(loom_offload_queue_t *q, uint64_t now)
+{
+    ngx_uint_t  n, gap, idle, awake, want;
+
+    if (q->closed
+        || q->sleepers <= q->waking
+        || q->npending <= q->spinners + q->waking)
+    {
+        return 0;
+    }
+
+    gap = q->npending - q->spinners - q->waking;
+    idle = q->sleepers - q->waking;
+    awake = q->busy + q->spinners + q->waking;
+
+    want = (ngx_uint_t) ((q->svc_ns * q->npending) / LOOM_WAKE_NS) + 1;
+
+    n = want > awake ? want - awake : 0;
+
+    if (n == 0 && q->busy
+        && now > q->progress_ns && now - q->progress_ns > LOOM_WAKE_NS)
+    {
+        n = 1;
+    }
+
+    n = ngx_min(n, gap);
+
+    return ngx_min(n, idle);
+}
+
+
+/*
+ * Wakes sleeping threads for queued tasks (a posted event at the end of
+ * the event loop iteration that queued them, and a timer while tasks are
+ * left to busy threads, in case those are not back as soon as expected)
+ */
+void
+ngx_loom_offload_kick_handler(ngx_event_t *ev)
+{
+    uint64_t               now;
+    ngx_uint_t             n, left;
+    loom_offload_queue_t  *q;
+
+    q = ev->data;
+    now = ngx_loom_offload_now_ns();
+
+    pthread_mutex_lock(&q->mtx);
+
+    n = ngx_loom_offload_wakes(q, now);
+    q->waking += n;
+
+    while (n--) {
+        pthread_cond_signal(&q->cond);
+    }
+
+    left = !q->closed
+           && q->sleepers > q->waking
+           && q->npending > q->spinners + q->waking;
+
+    pthread_mutex_unlock(&q->mtx);
+
+    if (left && !q->wake_ev.timer_set) {
+        ngx_add_timer(&q->wake_ev, LOOM_WAKE_CHECK_MS);
+    }
+}
+
+
+/* takes a task off its queue if no runtime thread has taken it yet */
+void
+ngx_loom_offload_unpend(loom_offload_task_t *t)
+{
+    loom_offload_queue_t  *q;
+
+    q = t->queue;
+
+    if (!t->rt) {
+        return;
+    }
+
+    pthread_mutex_lock(&q->mtx);
+
+    if (t->where == LOOM_WHERE_PENDING) {
+        ngx_queue_remove(&t->pending);
+        t->where = LOOM_WHERE_NONE;
+        ngx_loom_store(&q->npending, q->npending - 1);
+        t->rt = 0;
+    }
+
+    pthread_mutex_unlock(&q->mtx);
+}
+
+
+const unsigned char *
+ngx_loom_offload_request(loom_offload_task_t *t, size_t *len)
+{
+    if (len) {
+        *len = t->req_len;
+    }
+
+    return t->data;
+}
+
+
+int
+ngx_loom_offload_cancelled(loom_offload_task_t *t)
+{
+    return ngx_loom_load(&t->cancelled) != 0;
+}
+
+
+/* once per process: a worker whose set-up failed tries again */
+void
+ngx_loom_offload_held_init(void)
+{
+    (void) pthread_once(&ngx_loom_offload_held_once,
+                        ngx_loom_offload_held_mutexes);
+}
+
+
+static void
+ngx_loom_offload_held_mutexes(void)
+{
+    ngx_uint_t  i;
+
+    for (i = 0; i < LOOM_HELD_STRIPES; i++) {
+        (void) pthread_mutex_init(&ngx_loom_offload_held[i].mtx, NULL);
+    }
+}
+
+
+ngx_loom_offload_held_t *
+ngx_loom_offload_held_stripe(loom_offload_task_t *t)
+{
+    uintptr_t  a;
+
+    a = (uintptr_t) t;
+
+    return &ngx_loom_offload_held[(a >> 6 ^ a >> 12) % LOOM_HELD_STRIPES];
+}
+
+
+/* the link pointing at t in its stripe, or NULL; under the stripe lock */
+loom_offload_task_t **
+ngx_loom_offload_held_find(ngx_loom_offload_held_t *h,
+    loom_offload_task_t *t)
+{
+    loom_offload_task_t  **pt;
+
+    for (pt = &h->tasks; *pt; pt = &(*pt)->held_next) {
+        if (*pt == t) {
+            return pt;
+        }
+    }
+
+    return NULL;
+}
+
+/* vi:set ft=c ts=4 sw=4 et fdm=marker: */

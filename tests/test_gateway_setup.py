@@ -1,0 +1,155 @@
+"""Setting the example gateway up on a stock machine (issue 19, section 1):
+the rendered config passes `nginx -t`, `make run` builds no Go or Rust,
+workers leave root, a taken port and missing packages each print one line
+saying what to do, and an idle gateway logs nothing."""
+
+import os
+import pathlib
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+
+import pytest
+
+from loomtest.gateway import Gateway
+from loomtest.nginx import NGINX, ROOT, free_port
+
+RUN_SH = os.path.join(ROOT, "examples", "gateway", "run.sh")
+
+
+def render(prefix):
+    env = dict(os.environ, LOOM_GATEWAY_PREFIX=prefix,
+               LOOM_GATEWAY_LISTEN="127.0.0.1:%d" % free_port(),
+               LOOM_GATEWAY_RENDER_ONLY="1")
+    subprocess.run([RUN_SH], env=env, check=True, timeout=30)
+
+
+def test_rendered_config_passes_nginx_t(tmp_path):
+    prefix = str(tmp_path)
+    render(prefix)
+    res = subprocess.run(
+        [NGINX, "-t", "-p", prefix, "-c", prefix + "/conf/nginx.conf",
+         "-e", prefix + "/logs/error.log"],
+        capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert "test is successful" in res.stderr
+
+
+def test_make_run_builds_no_go_or_rust():
+    # -B: every target out of date, -n: print the recipes without running
+    res = subprocess.run(["make", "-C", ROOT, "-n", "-B", "run"],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    recipes = res.stdout
+    assert "ngx_loom_module.so" in recipes and "runtimes/c" in recipes
+    for other in ("runtimes/rust", "runtimes/go", "runtimes/python",
+                  "cargo", "go build"):
+        assert other not in recipes, other
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs to start as root")
+def test_workers_leave_root(gateway):
+    deadline = time.time() + 10
+    while len(gateway.worker_pids()) < 2 and time.time() < deadline:
+        time.sleep(0.05)
+    pids = gateway.worker_pids()
+    assert len(pids) == 2
+    for pid in pids:
+        with open("/proc/%d/status" % pid) as f:
+            uid = re.search(r"^Uid:\s+(\d+)", f.read(), re.M).group(1)
+        assert uid != "0", "worker %d runs as root" % pid
+    # and the gateway still works as nobody: the bus, config and offload
+    r = gateway.request("PUT", "/config/k", body=b"v")
+    assert r.status == 200, r.text
+    assert gateway.get("/offload/hash?data=x&rounds=1").status == 200
+
+
+def test_address_in_use_says_what_to_do(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        listen = "127.0.0.1:%d" % s.getsockname()[1]
+        env = dict(os.environ, LOOM_GATEWAY_PREFIX=str(tmp_path),
+                   LOOM_GATEWAY_LISTEN=listen)
+        res = subprocess.run([RUN_SH], env=env, capture_output=True,
+                             text=True, timeout=30)
+    assert res.returncode == 1
+    lines = res.stderr.strip().split("\n")
+    assert len(lines) == 1, res.stderr
+    assert listen + " is already in use" in lines[0]
+    assert "LOOM_GATEWAY_LISTEN=" in lines[0]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to become nobody")
+def test_missing_packages_as_non_root_say_what_to_run():
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", dir="/tmp") as f:
+        f.write("# a list\nnginx\nloom-no-such-package\n")
+        f.flush()
+        os.chmod(f.name, 0o644)
+        res = subprocess.run(
+            ["setpriv", "--reuid=nobody", "--regid=nogroup",
+             "--clear-groups", "make", "-s", "-C", ROOT, "deps-run",
+             "RUN_PACKAGES=" + f.name, "BUILD_DIR=/tmp/loom-none"],
+            capture_output=True, text=True, timeout=60)
+    assert res.returncode != 0
+    out = res.stdout.strip().split("\n")
+    assert out == ["missing Debian packages; run: sudo apt-get install "
+                   "loom-no-such-package"], res.stdout + res.stderr
+
+
+def test_idle_gateway_logs_nothing():
+    g = Gateway().start()
+    try:
+        assert g.get("/").status == 200
+        time.sleep(0.5)
+        before = g.output()
+        time.sleep(3)
+        after = g.output()
+    finally:
+        g.stop()
+    assert after == before, "an idle gateway logged:\n" + after[len(before):]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to become nobody")
+def test_gateway_runs_as_a_non_root_user():
+    # not under pytest's tmp_path: its parent is root's alone
+    tmp_path = pathlib.Path(tempfile.mkdtemp(prefix="loom-nonroot-"))
+    os.chmod(tmp_path, 0o755)
+    prefix = tmp_path / "prefix"
+    prefix.mkdir()
+    os.chown(prefix, 65534, 65534)
+    port = free_port()
+    env = dict(os.environ, LOOM_GATEWAY_PREFIX=str(prefix),
+               LOOM_GATEWAY_LISTEN="127.0.0.1:%d" % port)
+    out = tmp_path / "out.log"
+    with open(out, "w") as log:
+        proc = subprocess.Popen(
+            ["setpriv", "--reuid=nobody", "--regid=nogroup",
+             "--clear-groups", RUN_SH], env=env, cwd="/",
+            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        g = Gateway()
+        g.port = port
+        deadline = time.time() + 20
+        while True:
+            assert proc.poll() is None, out.read_text()
+            try:
+                r = g.get("/")
+                break
+            except OSError:
+                assert time.time() < deadline, out.read_text()
+                time.sleep(0.1)
+        assert r.status == 200
+        r = g.request("PUT", "/config/k", body=b"v")
+        assert r.status == 200, r.text
+        assert g.get("/offload/hash?data=x&rounds=1").status == 200
+    finally:
+        proc.send_signal(signal.SIGQUIT)
+        proc.wait(20)
+    log = out.read_text()
+    shutil.rmtree(tmp_path)
+    assert not re.search(r"\[(warn|error|crit|alert|emerg)\]", log), log
