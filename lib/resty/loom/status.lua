@@ -613,26 +613,10 @@ function _M.only(doc, module)
 end
 
 
-local page_html
-
--- the dashboard (status/dashboard.html next to this file): it polls
--- /loom/status and loads Chart.js from /loom/chart.js
+-- the dashboard (resty.loom.status.dashboard): it polls /loom/status and
+-- loads Chart.js from /loom/chart.js
 function _M.page()
-    if page_html then
-        return page_html
-    end
-    local me = package.searchpath("resty.loom.status", package.path)
-    if not me then
-        return nil, "failed to find resty/loom/status.lua"
-    end
-    local path = str_sub(me, 1, -5) .. "/dashboard.html"
-    local f, err = io.open(path, "rb")
-    if not f then
-        return nil, "failed to read the dashboard: " .. err
-    end
-    page_html = f:read("*a")
-    f:close()
-    return page_html
+    return require("resty.loom.status.dashboard").html
 end
 
 

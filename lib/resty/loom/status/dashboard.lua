@@ -1,3 +1,13 @@
+-- The page resty.loom.status.page() serves at /loom/: one HTML document,
+-- no build step; it polls /loom/status every 2 s and loads Chart.js from
+-- /loom/chart.js. A Lua module, so every installer (make install, the
+-- rock, the .deb) puts it where status.lua finds it.
+
+-- luacheck: no max line length
+
+return {
+    _VERSION = "0.1.0",
+    html = [==[
 <!DOCTYPE html>
 <!-- resty.loom.status dashboard: polls /loom/status every 2 s; Chart.js
      comes from the gateway (/loom/chart.js, Debian's libjs-chart.js). All
@@ -288,3 +298,5 @@ refresh();
 </script>
 </body>
 </html>
+]==],
+}
