@@ -137,9 +137,11 @@ int ngx_loom_ffi_pin_listener(const unsigned char *path, size_t len,
 int ngx_loom_ffi_prepare_socket(const unsigned char *path, size_t len,
     char **err);
 long getrandom(void *buf, size_t len, unsigned int flags);
+int access(const char *path, int mode);
 ]]
 
 local CLOCK_MONOTONIC = 1
+local F_OK = 0
 local ts = ffi.new("loom_timespec_t")
 local errmsg = ffi.new("char *[1]")
 local matched = ffi.new("int[1]")
@@ -1056,6 +1058,13 @@ end
 
 local function handshake(self, sock)
     local path = self.opts.socket
+    if C.access(path, F_OK) ~= 0 then
+        -- nginx's master removes the socket file as soon as it has told
+        -- the workers to quit, and a connect() to it then would log at
+        -- [crit]: a worker starting (or reconnecting) meanwhile finds no
+        -- broker, which is no error
+        return nil, "failed to connect: no such file or directory"
+    end
     local ok, err = sock:connect("unix:" .. path)
     if not ok then
         return nil, "failed to connect: " .. err
