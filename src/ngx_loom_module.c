@@ -21,9 +21,11 @@
 #include <ngx_http.h>
 #include <ngx_event.h>
 #include <sys/un.h>
+#include <poll.h>
 
 
 static ngx_int_t ngx_loom_add_variables(ngx_conf_t *cf);
+static void ngx_loom_accept_queued(ngx_event_t *ev);
 static ngx_int_t ngx_loom_init_module(ngx_cycle_t *cycle);
 static void ngx_loom_secure_sockets(ngx_cycle_t *cycle);
 static ngx_int_t ngx_loom_peer_variable(ngx_http_request_t *r,
@@ -293,11 +295,12 @@ ngx_loom_peer_variable(ngx_http_request_t *r, ngx_http_variable_value_t *v,
 /*
  * Stops every worker but "owner" from accepting on the UNIX listener at
  * "path", and lets "owner" accept on it even when another worker holds
- * the accept mutex. The listening connection is freed in the others and
- * ls->connection set to NULL: nginx's accept mutex and its re-enabling of
- * listeners after EMFILE both skip listeners with no connection, the way
- * they skip reuseport sockets that belong to another worker. The socket
- * itself stays open and is closed by nginx at exit as usual.
+ * the accept mutex, every queued connection at once. The listening
+ * connection is freed in the others and ls->connection set to NULL:
+ * nginx's accept mutex and its re-enabling of listeners after EMFILE both
+ * skip listeners with no connection, the way they skip reuseport sockets
+ * that belong to another worker. The socket itself stays open and is
+ * closed by nginx at exit as usual.
  */
 int
 ngx_loom_ffi_pin_listener(const u_char *path, size_t len, int owner,
@@ -355,6 +358,8 @@ ngx_loom_ffi_pin_listener(const u_char *path, size_t len, int owner,
 #if (NGX_HAVE_REUSEPORT)
             ls[i].reuseport = 1;
 #endif
+            rev->handler = ngx_loom_accept_queued;
+
             if (!rev->active
                 && ngx_add_event(rev, NGX_READ_EVENT, 0) != NGX_OK)
             {
@@ -390,6 +395,42 @@ ngx_loom_ffi_pin_listener(const u_char *path, size_t len, int owner,
     }
 
     return LOOM_FFI_OK;
+}
+
+
+/*
+ * The owner's accept handler: nginx accepts one connection per event loop
+ * turn (without multi_accept), and a worker told to quit closes its
+ * listeners at the end of the turn, when the kernel resets what is still
+ * queued. Workers connecting to the bus while nginx starts would so see
+ * their connection reset (and nginx log it) by a quit right after the
+ * start. Accepts while poll() says more are queued (bounded, and not once
+ * nginx disabled the listener after an accept error).
+ */
+static void
+ngx_loom_accept_queued(ngx_event_t *ev)
+{
+    ngx_uint_t         n;
+    struct pollfd      pfd;
+    ngx_connection_t  *lc;
+
+    lc = ev->data;
+
+    for (n = 0; n < 64; n++) {
+        ngx_event_accept(ev);
+
+        if (!ev->active || ev->timer_set) {
+            return;
+        }
+
+        pfd.fd = lc->fd;
+        pfd.events = POLLIN;
+        pfd.revents = 0;
+
+        if (poll(&pfd, 1, 0) != 1 || !(pfd.revents & POLLIN)) {
+            return;
+        }
+    }
 }
 
 

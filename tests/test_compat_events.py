@@ -6,6 +6,7 @@ messages."""
 import re
 import socket
 import time
+import zlib
 
 from loomtest.nginx import ROOT
 
@@ -152,22 +153,26 @@ def test_unique_once_within_unique_timeout(nginx):
     assert n.get("/test").status == 200
     got = wait_lines(n, 4)
     time.sleep(0.3)
-    got = [l.split(",")[1] for l in handler_lines(n)]
-    # the peer's order but for one thing (docs/events.md, Compatibility):
-    # a unique event that lands on its publisher goes through the broker,
-    # so the publisher's later "all" (request6) may overtake it
-    assert sorted(got) == [" event=request1", " event=request2",
-                           " event=request4", " event=request6"]
-    assert got.index(" event=request1") < got.index(" event=request2") \
-        < got.index(" event=request4")
+    # the peer's log, line by line (the unique events land on their
+    # publisher, the only worker)
+    assert handler_lines(n) == [
+        "h source=content_by_lua, event=request%d, who=0, by=0, data=%s"
+        % (i, d) for i, d in ((1, "01234567890"), (2, "x"), (4, "x"),
+                              (6, "01234567890"))]
 
 
 def test_unique_handled_exactly_once_across_workers(nginx):
     """broadcast.t 3: with 4 workers, "all" reaches each worker once, a
-    unique target one worker once per unique_timeout."""
+    unique target one worker once per unique_timeout, each worker's
+    handlers in the peer's order. Published from worker 0, where
+    "unique_value" lands (crc32 % 4), so that the unique events land on
+    their publisher."""
     server = """
     location = /test { content_by_lua_block {
         local ev = _G.ev
+        if ngx.worker.id() ~= 0 then
+            return ngx.exit(409)
+        end
         ev:publish("all", "content_by_lua", "request1", "01234567890")
         ev:publish("unique_value", "content_by_lua", "request2", "ABC")
         ev:publish("unique_value", "content_by_lua", "request3", "LMN")
@@ -178,18 +183,22 @@ def test_unique_handled_exactly_once_across_workers(nginx):
         ngx.say("ok")
     } }
     """
+    assert zlib.crc32(b"unique_value") % 4 == 0
     n = start(nginx, 4, http=conf("unique_timeout = 0.04, broker_id = 3",
                                    after_init=SUBSCRIBE), server=server)
-    assert n.get("/test").status == 200
+    deadline = time.time() + 10
+    while n.get("/test").status == 409:
+        assert time.time() < deadline, "no request reached worker 0"
     wait_lines(n, 10)
     time.sleep(0.3)
     got = handler_lines(n)
-    events = [re.search(r"event=(\w+)", l).group(1) for l in got]
-    assert sorted(events) == sorted(["request1"] * 4 + ["request2",
-                                     "request4"] + ["request6"] * 4)
-    for ev in ("request1", "request6"):
-        assert sorted(re.search(r"by=(\d)", l).group(1) for l in got
-                      if "event=%s," % ev in l) == ["0", "1", "2", "3"]
+    data = {1: "01234567890", 2: "ABC", 4: "WXY", 6: "STU"}
+    for w in range(4):
+        mine = [l for l in got if "by=%d," % w in l]
+        assert mine == [
+            "h source=content_by_lua, event=request%d, who=0, by=%d, "
+            "data=%s" % (i, w, data[i])
+            for i in ((1, 2, 4, 6) if w == 0 else (1, 6))], w
 
 
 def test_broadcast_mix_of_current_and_all_across_workers(nginx):
@@ -346,14 +355,9 @@ def test_payload_over_65535_bytes_with_max_payload_len(nginx):
     assert n.get("/test").text == "nil\nnil\nnil\nnil\n"
     got = [re.search(r"event=(\w+).*data=(\S+)", l).groups()
            for l in wait_lines(n, 4)]
-    # (the unique event may come after later "all" ones, see
-    # test_unique_once_within_unique_timeout)
-    assert sorted(got) == [
+    assert got == [
         ("request1", "#65537"), ("request2", "#655350"),
         ("request3", "#1048576"), ("request4", "01234567890")]
-    assert [g for g in got if g[0] != "request2"] == [
-        ("request1", "#65537"), ("request3", "#1048576"),
-        ("request4", "01234567890")]
 
 
 def test_default_max_payload_len_refuses_over_64_kib(nginx):

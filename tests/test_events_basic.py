@@ -39,6 +39,39 @@ def test_own_events_in_publish_order(nginx):
     assert st[pub]["stats"]["duplicates"] == 0
 
 
+def test_own_unique_events_in_publish_order(nginx):
+    """A unique event that lands on its publisher comes in publish order
+    with the publisher's own copies of its "all" events and its events to
+    itself (the broker only says whether to run it), on the broker worker
+    (linked in-process) and on a worker with a socket; a suppressed one
+    does not run. Before: the later own copies overtook it."""
+    n = start(nginx)
+    want = {w: [] for w in range(4)}
+    for pub, first in ((0, 1), (2, 2001)):
+        r = pub_from(n, pub, "target=mixunique&n=2000&source=trace"
+                     "&start=%d" % first)
+        assert r["ok"] == 2000 and r["worker"] == pub
+        for w in want:
+            want[w] += [i for i in range(first, first + 2000)
+                        if i % 4 == 1 or (w == pub and i % 4 in (0, 2))]
+        deadline = time.time() + 15
+        while True:
+            st = ec.states(n)
+            if all(len(s["trace"]) >= len(want[w]) for w, s in st.items()):
+                break
+            assert time.time() < deadline, {w: len(s["trace"])
+                                            for w, s in st.items()}
+            time.sleep(0.05)
+        time.sleep(0.2)
+        st = ec.states(n)
+        for w, s in st.items():
+            assert s["trace"] == want[w], w
+    b = st[0]["stats"]["broker"]
+    assert b["unique_suppressed"] == 1000, b
+    for s in st.values():
+        assert s["stats"]["gaps"] == 0 and s["stats"]["duplicates"] == 0
+
+
 def test_all_others_current_worker(nginx):
     n = start(nginx)
     r = n.get("/ev/pub?target=all&n=100&source=a").json()

@@ -87,6 +87,20 @@ local function wait_acked(bus)
 end
 
 
+-- a unique key starting with prefix that lands on this worker (the bus
+-- sends unique:<key> to worker crc32(key) % worker_count)
+local function own_key(bus, prefix)
+    local count = bus.worker_count
+    for j = 0, 100 * count do
+        local key = prefix .. "-" .. j
+        if ngx.crc32_short(key) % count == ngx.worker.id() then
+            return key
+        end
+    end
+    error("no unique key lands on worker " .. ngx.worker.id())
+end
+
+
 local function args()
     return ngx.req.get_uri_args()
 end
@@ -136,12 +150,22 @@ function _M.handle()
             -- until the broker has acknowledged it
             wait_acked(bus)
         end
+        local key
         for i = start, start + n - 1 do
             local data = { n = i, blob = pad }
             local to = target
             if to == "mixself" then
                 -- "all", then this worker by id, and so on
                 to = i % 2 == 1 and "all" or ngx.worker.id()
+            elseif to == "mixunique" then
+                -- "all", a unique key that lands on this worker, the same
+                -- key again (suppressed), this worker by id, and so on
+                local r = i % 4
+                if r == 2 then
+                    key = own_key(bus, source .. i)
+                end
+                to = r == 1 and "all" or r == 0 and ngx.worker.id()
+                     or "unique:" .. key
             end
             local ok, err = bus:publish(to, source, a.event or "e", data)
             if ok then

@@ -14,6 +14,8 @@ local broker = require "resty.loom.events.broker"
 local histogram = require "resty.loom.histogram"
 local yield = require("resty.loom.yield").yield
 
+local unique_target = broker.unique_target
+
 local C = ffi.C
 local frame_seq = frame.seq
 local ngx = ngx
@@ -56,6 +58,8 @@ local T_REJECT = frame.REJECT
 local T_HELLO = frame.HELLO
 local T_BYE = frame.BYE
 local T_URGENT = frame.URGENT
+local T_OWN_RUN = frame.OWN_RUN
+local T_OWN_SKIP = frame.OWN_SKIP
 local FRAME_SIZE = frame.FRAME_SIZE
 local EVENT_SIZE = frame.EVENT_SIZE
 local ALL = frame.ALL
@@ -133,9 +137,11 @@ int ngx_loom_ffi_pin_listener(const unsigned char *path, size_t len,
 int ngx_loom_ffi_prepare_socket(const unsigned char *path, size_t len,
     char **err);
 long getrandom(void *buf, size_t len, unsigned int flags);
+int access(const char *path, int mode);
 ]]
 
 local CLOCK_MONOTONIC = 1
+local F_OK = 0
 local ts = ffi.new("loom_timespec_t")
 local errmsg = ffi.new("char *[1]")
 local matched = ffi.new("int[1]")
@@ -308,12 +314,16 @@ function _M.new(opts)
 
         -- receiving
         inbox = ring.new(),         -- events for the handlers
-        -- our handlers' copies of our own events ("all" and to our own
-        -- worker id), in publish order, until the writer takes the events
-        -- they follow: (key, source, event, data, published_at), key
-        -- being an "all" event's seq, or S + 0.5 for an event to
-        -- ourselves published after event S
+        -- our handlers' copies of our own events ("all", to our own
+        -- worker id, unique ones that land on us), in publish order,
+        -- until the writer takes the events they follow: (key, source,
+        -- event, data, published_at, unique), key being the event's seq,
+        -- or S + 0.5 for an event to ourselves published after event S
         own = ring.new(),
+        -- the copies taken from own behind a unique event of ours whose
+        -- fate the broker has not told yet (it may be suppressed): that
+        -- one first, (seq, ...), then the others, (false, ...)
+        held = ring.new(),
         isema = semaphore.new(),
         handler_idle = false,       -- the handler loop waits on isema
         -- [1]: the coroutine running handlers (the handler loop, or a
@@ -403,29 +413,77 @@ local function report_gap(self, publisher, pid, missing)
 end
 
 
+-- a copy of our own event for our handlers: behind a unique event of
+-- ours that waits for the broker's word, if any
+local function hand_own(self, source, event, data, at)
+    local held = self.held
+    if held.n > 0 then
+        held:push(false, source, event, data, at)
+    else
+        inbox_push(self, source, event, data, self.worker, at, self.pid)
+    end
+end
+
+
+-- The broker's word on our unique event seq that lands on us: our
+-- handlers run it or not, then the copies held behind it, up to the
+-- next such event. (A word for no event held: the second answer to an
+-- event re-sent after a reconnect.)
+local function own_unique(self, seq, run)
+    local held = self.held
+    if held.n == 0 or held:peek() ~= seq then
+        return
+    end
+    local _, source, event, data, at = held:pop()
+    if run then
+        inbox_push(self, source, event, data, self.worker, at, self.pid)
+    end
+    while held.n > 0 and not held:peek() do
+        _, source, event, data, at = held:pop()
+        inbox_push(self, source, event, data, self.worker, at, self.pid)
+    end
+end
+
+
 -- The writer took events first..last for the broker, which sends "all"
 -- events to the other workers only: our handlers get our copies now, in
--- publish order. With everything (nothing left unsent, or nothing ever to
--- be taken: first > last), every copy goes. An "all" copy whose event was
--- never taken was dropped by drop_oldest: our handlers miss it like the
--- others do.
-local function release_own(self, first, last, everything)
+-- publish order; a unique event of ours that lands on us waits for the
+-- broker's word, and what follows it waits behind it. With everything
+-- (nothing left unsent, or nothing ever to be taken: first > last),
+-- every copy goes. A copy whose event was never taken was dropped by
+-- drop_oldest: our handlers miss it like the others do. poll: copies of
+-- events not taken yet go too, up to the first unique one.
+local function release_own(self, first, last, everything, poll)
     local own = self.own
     local dropped = 0
     while own.n > 0 do
-        local key = own:peek()
-        if not everything and key >= last + 1 then
+        local key, source, event, data, at, unique = own:first()
+        if (not everything and key >= last + 1) or (poll and unique) then
             break
         end
-        local _, source, event, data, at = own:pop()
+        own:pop()
         if key % 1 ~= 0 or (key >= first and key <= last) then
-            inbox_push(self, source, event, data, self.worker, at, self.pid)
-        else
+            if unique then
+                self.held:push(key, source, event, data, at)
+            else
+                hand_own(self, source, event, data, at)
+            end
+        elseif not unique then
             dropped = dropped + 1
         end
     end
     if dropped > 0 then
         report_gap(self, self.worker, self.pid, dropped)
+    end
+end
+
+
+-- the bus closed at exit: no word on our unique events will come (they
+-- were not acknowledged: counted in dropped.exit); what they held runs
+local function release_held(self)
+    local held = self.held
+    while held.n > 0 do
+        own_unique(self, held:peek(), false)
     end
 end
 
@@ -718,6 +776,9 @@ local function consume(self, rbuf, st)
         elseif typ == T_ACK then
             on_ack(self, frame_seq(h))
 
+        elseif typ == T_OWN_RUN or typ == T_OWN_SKIP then
+            own_unique(self, frame_seq(h), typ == T_OWN_RUN)
+
         elseif typ == T_URGENT then
             ok, err = receive_urgent(self, pp, h.len)
             if not ok then
@@ -963,6 +1024,8 @@ local function run_local(self)
         if not ok then
             log(ERR, "failed to handle an urgent event: ", err)
         end
+    end, function(seq, run)
+        own_unique(self, seq, run)
     end)
     self.local_link = link.conn
     self.connected = true
@@ -995,6 +1058,13 @@ end
 
 local function handshake(self, sock)
     local path = self.opts.socket
+    if C.access(path, F_OK) ~= 0 then
+        -- nginx's master removes the socket file as soon as it has told
+        -- the workers to quit, and a connect() to it then would log at
+        -- [crit]: a worker starting (or reconnecting) meanwhile finds no
+        -- broker, which is no error
+        return nil, "failed to connect: no such file or directory"
+    end
     local ok, err = sock:connect("unix:" .. path)
     if not ok then
         return nil, "failed to connect: " .. err
@@ -1130,6 +1200,7 @@ local function client_loop(premature, self)
     -- (only at exit: publishes from now on would never leave)
     self.stopping = true
     self.connected = false
+    release_held(self)
     self.isema:post(1)
 end
 
@@ -1171,6 +1242,7 @@ local function exit_watch(premature, self)
         log(WARN, "worker exiting with ", self.pending,
             " event(s) not acknowledged by the broker")
     end
+    release_held(self)
     self.wsema:post(1)
     self.isema:post(1)
 end
@@ -1275,6 +1347,11 @@ local function make_room(self, bytes, share, source, event)
             self.unsent:skip(b)
             self.pending = self.pending - 1
             self.pending_bytes = self.pending_bytes - b
+            if self.held:peek() == s then
+                -- re-queued after a reconnect, and now never sent: the
+                -- broker's word on it will not come
+                own_unique(self, s, false)
+            end
             count(self.counters.dropped, "oldest")
             warn_once(self, "drop", "queue full: dropped the oldest "
                       .. "event(s); ", self.counters.dropped.oldest, " so far")
@@ -1410,10 +1487,10 @@ function _M.publish(self, target, source, event, data)
             if self.own.n > 0 then
                 release_own(self, 1, 0, true)
             end
-            inbox_push(self, source, event, data_copy, kind, mono(),
-                       self.pid)
+            hand_own(self, source, event, data_copy, mono())
         else
-            self.own:push(self.seq + 0.5, source, event, data_copy, mono())
+            self.own:push(self.seq + 0.5, source, event, data_copy, mono(),
+                          false)
         end
         count(stats, kind == AGENT and "agent" or "worker")
         return true
@@ -1475,7 +1552,11 @@ function _M.publish(self, target, source, event, data)
     if kind == ALL then
         -- the broker sends "all" to the others; our copy waits for the
         -- writer to take the event (a copy, not a decode: 3x cheaper)
-        self.own:push(seq, source, event, frame.copy_data(data), now)
+        self.own:push(seq, source, event, frame.copy_data(data), now, false)
+    elseif key and unique_target(key, self.worker_count) == self.worker then
+        -- lands on us: the broker only says whether it runs (see
+        -- release_own)
+        self.own:push(seq, source, event, frame.copy_data(data), now, true)
     end
     self.unsent_q:push(seq, bytes)
     self.pending = self.pending + 1
@@ -1572,8 +1653,9 @@ function _M.poll(self)
     end
     if self.own.n > 0 then
         -- our own events published so far, even those the writer has not
-        -- taken yet (as a shared-dict bus would have them)
-        release_own(self, 1, huge, true)
+        -- taken yet (as a shared-dict bus would have them), up to one
+        -- that waits for the broker's word
+        release_own(self, 1, huge, true, true)
     end
     local me = co_running()
     while dispatch_next(self, me) do

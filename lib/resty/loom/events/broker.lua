@@ -46,6 +46,8 @@ local T_PONG = frame.PONG
 local T_REJECT = frame.REJECT
 local T_BYE = frame.BYE
 local T_URGENT = frame.URGENT
+local T_OWN_RUN = frame.OWN_RUN
+local T_OWN_SKIP = frame.OWN_SKIP
 local FRAME_SIZE = frame.FRAME_SIZE
 local EVENT_SIZE = frame.EVENT_SIZE
 local ALL = frame.ALL
@@ -476,10 +478,11 @@ end
 
 -- the worker for a unique key: the same for the same key whoever is
 -- connected, so an event re-sent after a broker restart lands where it
--- went before (queues outlive connections)
+-- went before (queues outlive connections); its publisher knows too
 local function unique_target(key, nworkers)
     return crc32(key) % nworkers
 end
+_M.unique_target = unique_target
 
 
 local function seen_unique(b, key, window)
@@ -640,14 +643,25 @@ local function forward(bus, b, c, seq, p, len)
 
     elseif target == UNIQUE then
         local key = ffi_string(p + EVENT_SIZE, e.key_len)
-        if seen_unique(b, key, bus.opts.unique_window) then
+        local wid = unique_target(key, nworkers)
+        local run = not seen_unique(b, key, bus.opts.unique_window)
+        if not run then
             b.stats.unique_suppressed = b.stats.unique_suppressed + 1
-        else
-            local wid = unique_target(key, nworkers)
-            if not enqueue(bus, b, queue(b, wid), c.wid, seq, bidx, p, len) then
-                -- not delivered: a later publish of the key may be
-                b.unique[key] = nil
+        end
+        if wid == c.wid then
+            -- its publisher holds a copy for its handlers, to run in
+            -- publish order with its other own events: it only needs to
+            -- know whether to (ahead of the ack, which ends its wait)
+            if c.own then
+                c.own(seq, run)
+            else
+                frame.put_empty(c.ctl, run and T_OWN_RUN or T_OWN_SKIP, seq)
+                wake_writer(c.q)
             end
+        elseif run and not enqueue(bus, b, queue(b, wid), c.wid, seq, bidx,
+                                   p, len) then
+            -- not delivered: a later publish of the key may be
+            b.unique[key] = nil
         end
 
     elseif (target >= 0 and target < nworkers)
@@ -984,10 +998,11 @@ end
 
 -- The broker worker's own link: no socket, no acks. deliver(buf) hands
 -- the whole frames in buf to this worker's handlers and returns true, or
--- nil and an error; urgent(p, len) handles an urgent event's payload.
--- Starts the writer in the caller's context; returns the link for
--- take_local() and detach_local().
-function _M.attach_local(bus, deliver, urgent)
+-- nil and an error; urgent(p, len) handles an urgent event's payload;
+-- own(seq, run) says whether this worker's unique event seq, which lands
+-- on it, runs. Starts the writer in the caller's context; returns the
+-- link for take_local() and detach_local().
+function _M.attach_local(bus, deliver, urgent, own)
     local b = state(bus)
     local wid = ngx.worker.id()
     local q = queue(b, wid)
@@ -999,6 +1014,7 @@ function _M.attach_local(bus, deliver, urgent)
         spare = buf_new(65536),
         deliver = deliver,
         urgent = urgent,
+        own = own,
         closed = false,
     }
     attach(b, q, c)

@@ -95,7 +95,12 @@ local T_BYE = 8
 -- an event of the bus's own (collect): one frame, no sequence number, no
 -- acknowledgement; sent ahead of queued events and handled on arrival
 local T_URGENT = 9
-local T_MAX = 9
+-- the broker's answer to a unique event that lands on its own publisher
+-- (header only, the event's sequence number): run the publisher's copy,
+-- or skip it (suppressed); the event itself does not come back
+local T_OWN_RUN = 10
+local T_OWN_SKIP = 11
+local T_MAX = 11
 
 -- reused scratch buffer for event bodies (the worker is single-threaded)
 local body = buf_new(4096)
@@ -123,6 +128,8 @@ local _M = {
     REJECT = T_REJECT,
     BYE = T_BYE,
     URGENT = T_URGENT,
+    OWN_RUN = T_OWN_RUN,
+    OWN_SKIP = T_OWN_SKIP,
     -- targets other than a worker id (>= 0); -1 is the privileged agent
     AGENT = -1,
     ALL = -2,
