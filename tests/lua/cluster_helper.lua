@@ -1,0 +1,86 @@
+-- Test node for resty.loom.cluster: every handled event is appended to
+-- logs/h-<worker id>.log (unbuffered, so a SIGKILL loses no line already
+-- handled) as "<tag> <seq> <worker pid>".
+
+local cjson = require "cjson.safe"
+local events = require "resty.loom.events"
+local cluster = require "resty.loom.cluster"
+
+local _M = {}
+
+local out
+
+
+local function record(data)
+    if not out then
+        out = assert(io.open(ngx.config.prefix() .. "logs/h-"
+                             .. ngx.worker.id() .. ".log", "a"))
+        out:setvbuf("no")
+    end
+    out:write(data.tag, " ", data.seq, " ", ngx.worker.pid(), "\n")
+end
+
+
+function _M.init(opts)
+    events.new({ socket = ngx.config.prefix() .. "sock/bus.sock" })
+    opts.shm = opts.shm or "cluster"
+    _M.c = cluster.new(opts)
+end
+
+
+function _M.init_worker()
+    local bus = events.get()
+    assert(bus:init_worker())
+    assert(_M.c:init_worker())
+    bus:subscribe("test", "ev", record)
+    bus:subscribe("test", "slow", function(data)
+        ngx.sleep(data.sleep)
+        record(data)
+    end)
+end
+
+
+function _M.handle()
+    local args = ngx.req.get_uri_args()
+    local what = ngx.var.uri:match("/cl/(%w+)")
+    local c = _M.c
+    if what == "pub" then
+        -- n events, `rate` per second (0: as fast as publish returns)
+        local n = tonumber(args.n) or 1
+        local rate = tonumber(args.rate) or 0
+        local from = tonumber(args.from) or 1
+        local ok, failed, last = 0, 0, nil
+        local t0 = ngx.now()
+        for i = from, from + n - 1 do
+            local done, err = c:publish(args.target or "cluster", "test",
+                                        args.event or "ev",
+                                        { tag = args.tag or "t", seq = i,
+                                          sleep = tonumber(args.sleep) })
+            if done then
+                ok = ok + 1
+            else
+                failed = failed + 1
+                last = err
+            end
+            if rate > 0 and (i - from + 1) % 50 == 0 then
+                ngx.update_time()
+                local ahead = t0 + (i - from + 1) / rate - ngx.now()
+                if ahead > 0 then
+                    ngx.sleep(ahead)
+                end
+            end
+        end
+        ngx.say(cjson.encode({ ok = ok, failed = failed, err = last }))
+
+    elseif what == "stats" then
+        local st = c:stats()
+        st.pid = ngx.worker.pid()
+        ngx.say(cjson.encode(st))
+
+    else
+        ngx.exit(404)
+    end
+end
+
+
+return _M
