@@ -149,13 +149,19 @@ def node_conf(opts):
     }
 
 
-def start_node(nginx, redis_opts, node_id, workers=2, **extra):
+def start_node(nginx, redis_opts, node_id, workers=2, prefix=None,
+               port=None, **extra):
     opts = {"redis": redis_opts, "node_id": node_id, "lease_ttl": 1,
             "block": 0.5, "ack_timeout": 2, "claim_idle": 5,
             "backoff_max": 1}
     opts.update(extra)
-    n = nginx(workers=workers, start=False, **node_conf(opts))
+    n = nginx(workers=workers, start=False, prefix=prefix, port=port,
+              **node_conf(opts))
     os.makedirs(os.path.join(n.prefix, "sock"), mode=0o700, exist_ok=True)
+    try:    # left by a node killed with SIGKILL
+        os.unlink(os.path.join(n.prefix, "sock", "bus.sock"))
+    except OSError:
+        pass
     n.start()
     n.node_id = node_id
     return n
@@ -163,6 +169,27 @@ def start_node(nginx, redis_opts, node_id, workers=2, **extra):
 
 def stats(n):
     return n.get("/cl/stats").json()
+
+
+def reader_pid(n, timeout=10):
+    """The pid of the node's elected reader (asks until it answers)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        st = stats(n)
+        if st["reader"]:
+            return st["pid"]
+        time.sleep(0.01)
+    raise AssertionError("no reader found on %s" % n.node_id)
+
+
+def cpu_seconds(pids):
+    """utime + stime of these processes, in seconds."""
+    total = 0
+    for p in pids:
+        with open("/proc/%d/stat" % p) as f:
+            rest = f.read().rsplit(")", 1)[1].split()
+        total += int(rest[11]) + int(rest[12])
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def wait_readers(nodes, timeout=15):

@@ -558,12 +558,36 @@ local function pending_counts(red, key, group, consumer, entries)
 end
 
 
-local function create_group(red, key, group, from)
+local function resync(self, why)
+    count(self, "resyncs")
+    ngx_log(ngx_ERR, LOG_TAG, "the group of this node ", why, ": events ",
+            "published meanwhile are lost; telling the workers to ",
+            "resynchronise")
+    self.bus:publish("all", SRC, "resync", why)
+end
+
+
+-- creates the group; a group this node had and lost (Redis lost its data,
+-- or the janitor removed it after group_idle) means a resync
+local function create_group(self, red, key, group, from)
     local ok, err = red:xgroup("CREATE", key, group, from, "MKSTREAM")
-    if not ok and not str_find(tostring(err), "BUSYGROUP", 1, true) then
+    if not ok then
+        if str_find(tostring(err), "BUSYGROUP", 1, true) then
+            self.dict:set("joined:" .. key, true)
+            return true
+        end
         return nil, "failed to create group " .. group .. ": "
                     .. tostring(err)
     end
+    if key == self.stream then
+        local removed = red:hdel(self.stream .. ":removed", self.node_id)
+        if removed == 1 then
+            resync(self, "was removed after opts.group_idle")
+        elseif self.dict:get("joined:" .. key) then
+            resync(self, "was lost by Redis")
+        end
+    end
+    self.dict:set("joined:" .. key, true)
     return true
 end
 
@@ -597,6 +621,7 @@ local function maintain(self, red)
             red:xgroup("DESTROY", self.stream, node)
             red:xgroup("DELCONSUMER", self.stream_one, "one", node)
             red:hdel(self.nodes_key, node)
+            red:hset(self.stream .. ":removed", node, now)
             count(self, "groups_removed")
             ngx_log(ngx_NOTICE, LOG_TAG, "removed the group of node ", node,
                     ", silent for ", floor((now - seen) / 1000), " s")
@@ -609,7 +634,7 @@ end
 -- one stream, one group: pending entries first, then new ones; "one"
 -- also claims entries other consumers left idle for claim_idle
 local function consume(self, red, key, group, from)
-    local ok, err = create_group(red, key, group, from)
+    local ok, err = create_group(self, red, key, group, from)
     if not ok then
         return nil, err
     end
@@ -651,13 +676,8 @@ local function consume(self, red, key, group, from)
         end
         if not res then
             if str_find(tostring(err), "NOGROUP", 1, true) then
-                -- removed while this node was away (group_idle)
-                count(self, "resyncs")
-                ngx_log(ngx_ERR, LOG_TAG, "the group of this node was ",
-                        "removed: events published meanwhile are lost; ",
-                        "telling the workers to resynchronise")
-                self.bus:publish("all", SRC, "resync", key)
-                ok, err = create_group(red, key, group, "$")
+                -- lost or removed while this reader was connected
+                ok, err = create_group(self, red, key, group, "$")
                 if not ok then
                     return nil, err
                 end
