@@ -125,7 +125,7 @@ def lua_table(d):
         + "}"
 
 
-def node_conf(opts):
+def node_conf(opts, worker_extra=""):
     return {
         "http": """
     lua_shared_dict cluster 32m;
@@ -134,6 +134,7 @@ def node_conf(opts):
     }
     init_worker_by_lua_block {
         require("cluster_helper").init_worker()
+        %s
     }
     server {
         listen unix:$PREFIX/sock/bus.sock;
@@ -142,7 +143,7 @@ def node_conf(opts):
             content_by_lua_block { require("resty.loom.events").get():serve() }
         }
     }
-""" % lua_table(opts),
+""" % (lua_table(opts), worker_extra),
         "server": """
     location /cl/ { content_by_lua_block { require("cluster_helper").handle() } }
 """,
@@ -150,13 +151,15 @@ def node_conf(opts):
 
 
 def start_node(nginx, redis_opts, node_id, workers=2, prefix=None,
-               port=None, **extra):
+               port=None, timer=None, **extra):
     opts = {"redis": redis_opts, "node_id": node_id, "lease_ttl": 1,
             "block": 0.5, "ack_timeout": 2, "claim_idle": 5,
             "backoff_max": 1}
     opts.update(extra)
     n = nginx(workers=workers, start=False, prefix=prefix, port=port,
-              **node_conf(opts))
+              **node_conf(opts, timer and
+                          'require("cluster_helper").start_timer(%r, %r, %r)'
+                          % timer or ""))
     os.makedirs(os.path.join(n.prefix, "sock"), mode=0o700, exist_ok=True)
     try:    # left by a node killed with SIGKILL
         os.unlink(os.path.join(n.prefix, "sock", "bus.sock"))

@@ -40,6 +40,32 @@ function _M.init_worker()
 end
 
 
+-- a cluster timer that appends "<what> <period> <epoch> <pid>" lines to
+-- logs/timer.log; hold > 0: it sleeps that long inside the run, then
+-- checks its epoch (the fencing case)
+function _M.start_timer(interval, ttl, hold)
+    local timer = require "resty.loom.timer"
+    local ctimer = require "resty.loom.cluster.timer"
+    local f = assert(io.open(ngx.config.prefix() .. "logs/timer.log", "a"))
+    f:setvbuf("no")
+    local pid = ngx.worker.pid()
+    assert(timer.every({ interval = interval, ttl = ttl, name = "t",
+                         unique = "cluster" },
+                       function(premature, epoch, period)
+        if premature then
+            return
+        end
+        f:write("run ", period, " ", epoch, " ", pid, "\n")
+        if hold > 0 then
+            ngx.sleep(hold)
+            local ok, err = ctimer.fence("t", epoch)
+            f:write("fence ", period, " ", epoch, " ", pid, " ",
+                    tostring(ok or err):match("%S+"), "\n")
+        end
+    end))
+end
+
+
 function _M.handle()
     local args = ngx.req.get_uri_args()
     local what = ngx.var.uri:match("/cl/(%w+)")
