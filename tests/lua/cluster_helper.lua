@@ -98,6 +98,23 @@ function _M.handle()
         end
         ngx.say(cjson.encode({ ok = ok, failed = failed, err = last }))
 
+    elseif what == "plant" then
+        -- a "one" entry that node "d" read and never acknowledged, in one
+        -- transaction so this node's reader cannot take it first
+        local red = require("nginx.redis"):new()
+        assert(red:connect("127.0.0.1", c.redis.port))
+        red:init_pipeline()
+        red:multi()
+        red:xadd(c.stream_one, "*", "i", "d/x/" .. args.seq, "t", "o",
+                 "s", "test", "e", "ev", "d",
+                 require("string.buffer").encode({ tag = args.tag,
+                                                   seq = args.seq }))
+        red:xreadgroup("GROUP", "one", "d", "COUNT", 10, "STREAMS",
+                       c.stream_one, ">")
+        red:exec()
+        local res = assert(red:commit_pipeline())
+        ngx.say(cjson.encode(res[#res]))
+
     elseif what == "stats" then
         local st = c:stats()
         st.pid = ngx.worker.pid()

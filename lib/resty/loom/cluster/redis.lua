@@ -28,7 +28,9 @@ local REDIS_KEYS = {
 local _M = { _VERSION = "0.1.0" }
 
 
+-- level: of the user's call, as seen from the caller of these two
 local function check_port(p, what, level)
+    level = level + 1
     if type(p) ~= "number" or p ~= floor(p) or p < 1 or p > 65535 then
         error(what .. " must be an integer between 1 and 65535", level)
     end
@@ -36,6 +38,7 @@ end
 
 
 local function check_host(h, what, level)
+    level = level + 1
     if type(h) ~= "string" or h == "" or #h > 255 then
         error(what .. " must be a non-empty string", level)
     end
