@@ -105,15 +105,16 @@ function _M.handle()
         assert(red:connect("127.0.0.1", c.redis.port))
         red:init_pipeline()
         red:multi()
-        red:xadd(c.stream_one, "*", "i", "d/x/" .. args.seq, "t", "o",
-                 "s", "test", "e", "ev", "d",
-                 require("string.buffer").encode({ tag = args.tag,
-                                                   seq = args.seq }))
+        red:xadd(c.stream_one, "*", "t", "o", "p",
+                 require("string.buffer").encode({
+                     i = "d/x/" .. args.seq, s = "test", e = "ev",
+                     d = { tag = args.tag, seq = args.seq } }))
         red:xreadgroup("GROUP", "one", "d", "COUNT", 10, "STREAMS",
                        c.stream_one, ">")
         red:exec()
         local res = assert(red:commit_pipeline())
-        ngx.say(cjson.encode(res[#res]))
+        local exec = res[#res]
+        ngx.say(type(exec[2]) == "table" and "taken by d" or "not taken")
 
     elseif what == "stats" then
         local st = c:stats()

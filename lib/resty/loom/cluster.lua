@@ -16,6 +16,7 @@ local buffer = require "string.buffer"
 local semaphore = require "ngx.semaphore"
 local events = require "resty.loom.events"
 local rconn = require "resty.loom.cluster.redis"
+local resp = require "resty.loom.cluster.resp"
 
 local ngx_now = ngx.now
 local ngx_update_time = ngx.update_time
@@ -237,22 +238,22 @@ function _M.publish(self, target, source, event, data)
         count(self, "rejected")
         return nil, "queue full"
     end
-    local ok, body = pcall(encode, data)
+    local seq = self.seq + 1
+    local env = self.envelope
+    env.i, env.s, env.e, env.d = self.id_prefix .. seq, source, event, data
+    local ok, body = pcall(encode, env)
+    env.d = nil
     if not ok then
         return nil, "failed to serialise data: " .. tostring(body)
     end
     if #body > MAX_BODY then
         return nil, "payload too large"
     end
-    local seq = self.seq + 1
     self.seq = seq
     local i = self.q_tail + 1
     self.q_tail = i
-    self.q_id[i] = self.id_prefix .. seq
     self.q_t[i] = t
-    self.q_s[i] = source
-    self.q_e[i] = event
-    self.q_d[i] = body
+    self.q_p[i] = body
     count(self, "published")
     if n == 0 and self.sender_idle then
         self.sender_idle = false
@@ -263,10 +264,9 @@ end
 
 
 local function drop_queued(self, upto)
-    local q_id, q_t, q_s, q_e, q_d = self.q_id, self.q_t, self.q_s,
-                                      self.q_e, self.q_d
+    local q_t, q_p = self.q_t, self.q_p
     for i = self.q_head + 1, upto do
-        q_id[i], q_t[i], q_s[i], q_e[i], q_d[i] = nil, nil, nil, nil, nil
+        q_t[i], q_p[i] = nil, nil
     end
     self.q_head = upto
 end
@@ -275,26 +275,21 @@ end
 -- one pipeline of XADDs; true, or nil, err (the events stay queued: a
 -- pipeline cut half-way is sent again whole, and the readers drop the ids
 -- they have seen)
-local function send_batch(self, red)
+local function send_batch(self, r)
     local from = self.q_head + 1
     local to = min(self.q_tail, self.q_head + self.batch)
-    red:init_pipeline(to - from + 1)
-    local stream, one, maxlen = self.stream, self.stream_one, self.maxlen
+    local args, out = self.xadd_args, r.out
+    local stream, one = self.stream, self.stream_one
     for i = from, to do
         local t = self.q_t[i]
-        red:xadd(t == "o" and one or stream, "MAXLEN", "~", maxlen, "*",
-                 "i", self.q_id[i], "t", t, "s", self.q_s[i],
-                 "e", self.q_e[i], "d", self.q_d[i])
+        args[2] = t == "o" and one or stream
+        args[8] = t
+        args[10] = self.q_p[i]
+        resp.put(out, args, 10)
     end
-    local res, err = red:commit_pipeline()
-    if not res then
+    local ok, err = resp.exchange(r, to - from + 1, self.replies)
+    if not ok then
         return nil, err
-    end
-    for i = 1, #res do
-        local r = res[i]
-        if type(r) == "table" and r[1] == false then
-            return nil, r[2]
-        end
     end
     drop_queued(self, to)
     count(self, "sent", to - from + 1)
@@ -306,7 +301,7 @@ local function sender(premature, self)
     if premature then
         return
     end
-    local red, fails = nil, 0
+    local red, r, fails = nil, nil, 0
     local exit_by
     while true do
         if worker_exiting() then
@@ -325,10 +320,11 @@ local function sender(premature, self)
             local err
             if not red then
                 red, err = rconn.connect(self.redis, 5)
+                r = red and resp.reader(red)
             end
             local ok = red
             if red then
-                ok, err = send_batch(self, red)
+                ok, err = send_batch(self, r)
                 if not ok then
                     red:close()
                     red = nil
@@ -375,25 +371,25 @@ end
 local function hand_over(self, items, mark_prefix)
     local dict, bus = self.dict, self.bus
     local window = self.dedupe_window
-    local new = 0
-    for i = 1, #items, 4 do
-        local id = items[i]
-        if dict:add(mark_prefix .. id, true, window) then
-            local ok, data = pcall(decode, items[i + 3])
-            if ok then
-                bus:publish("current", items[i + 1], items[i + 2], data)
-                new = new + 1
-            else
-                count(self, "undecodable")
-                log_throttled(self, ngx_ERR, "decode", "event " .. id
-                              .. " from " .. items[i + 1] .. "/"
-                              .. items[i + 2] .. " not decodable: "
-                              .. tostring(data))
-            end
+    local new, bad = 0, 0
+    for i = 1, #items do
+        local ok, m = pcall(decode, items[i])
+        if not ok or type(m) ~= "table" or type(m.i) ~= "string"
+           or type(m.s) ~= "string" or type(m.e) ~= "string"
+        then
+            bad = bad + 1
+            log_throttled(self, ngx_ERR, "decode", "an event not "
+                          .. "decodable: " .. tostring(ok and "" or m))
+        elseif dict:add(mark_prefix .. m.i, true, window) then
+            bus:publish("current", m.s, m.e, m.d)
+            new = new + 1
         end
     end
     count(self, "delivered", new)
-    local dups = #items / 4 - new
+    if bad > 0 then
+        count(self, "undecodable", bad)
+    end
+    local dups = #items - new - bad
     if dups > 0 then
         count(self, "duplicates", dups)
     end
@@ -439,12 +435,12 @@ local function wait_batch(self, need, target, items, node)
     self.waits[b] = w
     local from, bytes, ok, err = 1, 0, true, nil
     local n = #items
-    for i = 1, n, 4 do
-        bytes = bytes + #items[i + 3]
-        if bytes >= CHUNK or i + 3 == n then
+    for i = 1, n do
+        bytes = bytes + #items[i]
+        if bytes >= CHUNK or i == n then
             local part = items
-            if from > 1 or i + 3 < n then
-                part = { unpack(items, from, i + 3) }
+            if from > 1 or i < n then
+                part = { unpack(items, from, i) }
             end
             w.need = w.need + need
             ok, err = self.bus:publish(target, SRC, "batch",
@@ -453,7 +449,7 @@ local function wait_batch(self, need, target, items, node)
             if not ok then
                 break
             end
-            from, bytes = i + 4, 0
+            from, bytes = i + 1, 0
         end
     end
     if ok then
@@ -463,7 +459,7 @@ local function wait_batch(self, need, target, items, node)
     if not ok then
         count(self, "ack_timeouts")
         log_throttled(self, ngx_WARN, "ack", "workers did not confirm a "
-                      .. "batch of " .. (n / 4) .. " events: "
+                      .. "batch of " .. n .. " events: "
                       .. tostring(err) .. "; they stay pending")
     end
     return ok
@@ -495,8 +491,8 @@ local function deliver(self, red, key, entries, counts)
             local m = field_map(f)
             local n = counts and counts[id] or 1
             local t = m.t
-            if not (m.i and m.s and m.e and m.d) or not (t == "c"
-               or t == "n" or t == "o") or n > self.max_deliveries
+            if not m.p or not (t == "c" or t == "n" or t == "o")
+               or n > self.max_deliveries
             then
                 red:xadd(self.stream_dead, "MAXLEN", "~", 10000, "*",
                          "stream", key, "entry", id, "group",
@@ -506,10 +502,7 @@ local function deliver(self, red, key, entries, counts)
                 dead = dead + 1
             else
                 local to = t == "c" and all or here
-                to[#to + 1] = m.i
-                to[#to + 1] = m.s
-                to[#to + 1] = m.e
-                to[#to + 1] = m.d
+                to[#to + 1] = m.p
             end
         end
     end
@@ -640,7 +633,10 @@ local function consume(self, red, key, group, from)
     end
     local consumer = self.node_id
     local cursor = "0"
-    local block = floor(self.block * 1000)
+    local r, reply = resp.reader(red), {}
+    local read_new = { "XREADGROUP", "GROUP", group, consumer, "COUNT",
+                       self.batch, "BLOCK", floor(self.block * 1000),
+                       "STREAMS", key, ">" }
     local next_chores = 0
     while self.reading and not worker_exiting() do
         ngx_update_time()
@@ -670,9 +666,9 @@ local function consume(self, red, key, group, from)
             res, err = red:xreadgroup("GROUP", group, consumer, "COUNT",
                                       self.batch, "STREAMS", key, cursor)
         else
-            res, err = red:xreadgroup("GROUP", group, consumer, "COUNT",
-                                      self.batch, "BLOCK", block,
-                                      "STREAMS", key, ">")
+            resp.put(r.out, read_new, 11)
+            res, err = resp.exchange(r, 1, reply)
+            res = res and reply[1]
         end
         if not res then
             if str_find(tostring(err), "NOGROUP", 1, true) then
@@ -820,9 +816,11 @@ function _M.init_worker(self)
     self.mark_node = "d:n:"
     self.seq = 0
     self.q_head, self.q_tail = 0, 0
-    self.q_id, self.q_t, self.q_s = tab_new(256, 0), tab_new(256, 0),
-                                    tab_new(256, 0)
-    self.q_e, self.q_d = tab_new(256, 0), tab_new(256, 0)
+    self.q_t, self.q_p = tab_new(256, 0), tab_new(256, 0)
+    self.envelope = {}
+    self.xadd_args = { "XADD", "", "MAXLEN", "~", self.maxlen, "*", "t", "",
+                       "p", "" }
+    self.replies = {}
     self.wake = semaphore.new()
     self.sender_idle = false
     self.down = false
