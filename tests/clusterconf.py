@@ -1,5 +1,6 @@
 """Real Redis servers, Sentinels and nginx nodes for the cluster tests."""
 
+import atexit
 import collections
 import json
 import os
@@ -65,6 +66,8 @@ class Redis:
                         str(self.replica_of.port)]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL)
+        # whatever happens to the caller, no server outlives this process
+        atexit.register(self.proc.kill)
         deadline = time.time() + 10
         while time.time() < deadline:
             try:
