@@ -43,15 +43,22 @@ def test_reader_killed_mid_stream(redis_factory, nginx):
     time.sleep(0.8)
     victim_node.kill(victim, signal.SIGKILL)
     victim_node.allow_log(r"exited on signal 9")
+    for n in nodes:     # nginx's own line for the killed worker's sockets
+        n.allow_log(RESET)
     t.join()
     assert out[0]["ok"] == 6000, out
     expect = {("k", s) for s in range(1, 6001)}
     res, lost, dups = wait_tally(nodes, expect, timeout=30)
     print("reader killed:", res)
-    # every worker that lived through it, and the killed worker's slot
-    # (its successor gets what the killed one had not handled): each
-    # event exactly once
-    assert (lost, dups) == (0, 0), (res, slot)
+    # every worker that lived through it: each event exactly once. The
+    # killed worker's slot: its successor gets every event the killed one
+    # had not marked as run; the events of the batch whose handlers were
+    # running at the kill may run again there (at most one batch)
+    lo, du = res[victim_node.node_id][slot[0]]
+    others = [v for n in nodes for w, v in res[n.node_id].items()
+              if (n, w) != (victim_node, slot[0])]
+    assert set(others) == {(0, 0)}, res
+    assert lo == 0 and du <= 256, res
     assert reader_pid(victim_node) != victim
 
 
@@ -65,6 +72,8 @@ def test_whole_node_killed_and_restarted(redis_factory, nginx):
     for p in pids:
         victim.kill(p, signal.SIGKILL)
     victim.master_pid = None
+    for n in nodes:
+        n.allow_log(RESET)
     t.join()
     assert out[0]["ok"] == 6000, out
     time.sleep(0.5)

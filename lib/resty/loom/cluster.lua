@@ -49,6 +49,8 @@ local setmetatable = setmetatable
 local str_format = string.format
 local str_find = string.find
 local tab_new = require "table.new"
+local clear_tab = require "table.clear"
+local table_remove = table.remove
 
 local LOG_TAG = "[loom.cluster] "
 local SRC = "loom.cluster"        -- the bus source of the internal events
@@ -57,6 +59,8 @@ local EXIT_FLUSH = 3              -- seconds the sender flushes at exit
 local TARGETS = { cluster = "c", nodes = "n", one = "o" }
 local MAX_BODY = 256 * 1024       -- serialised data; a bus message holds
 local CHUNK = 512 * 1024          -- at most this much of a batch's data
+local MAX_INFLIGHT = 4            -- batches handed over, not confirmed yet
+local ACK_LAG = 5                 -- ms: BLOCK while batches are in flight
 local COUNTERS = {
     "published", "rejected", "sent", "send_errors", "redis_down",
     "dropped_at_exit", "read", "read_errors", "delivered", "duplicates",
@@ -366,12 +370,13 @@ end
 
 -- every worker: batches from the node's reader --------------------------------
 
--- runs in the bus's handler timer of every worker of the node; marks,
--- hands over and confirms; returns how many were new
+-- runs in the bus's handler timer of every worker of the node: hands the
+-- events this worker slot has not handled to the bus's handlers; returns
+-- the marks to set once they ran
 local function hand_over(self, items, mark_prefix)
-    local dict, bus = self.dict, self.bus
-    local window = self.dedupe_window
-    local new, bad = 0, 0
+    local dict, bus, handing = self.dict, self.bus, self.handing
+    local marks = {}
+    local bad = 0
     for i = 1, #items do
         local ok, m = pcall(decode, items[i])
         if not ok or type(m) ~= "table" or type(m.i) ~= "string"
@@ -380,11 +385,16 @@ local function hand_over(self, items, mark_prefix)
             bad = bad + 1
             log_throttled(self, ngx_ERR, "decode", "an event not "
                           .. "decodable: " .. tostring(ok and "" or m))
-        elseif dict:add(mark_prefix .. m.i, true, window) then
-            bus:publish("current", m.s, m.e, m.d)
-            new = new + 1
+        else
+            local mark = mark_prefix .. m.i
+            if not handing[mark] and not dict:get(mark) then
+                handing[mark] = true
+                marks[#marks + 1] = mark
+                bus:publish("current", m.s, m.e, m.d)
+            end
         end
     end
+    local new = #marks
     count(self, "delivered", new)
     if bad > 0 then
         count(self, "undecodable", bad)
@@ -393,13 +403,19 @@ local function hand_over(self, items, mark_prefix)
     if dups > 0 then
         count(self, "duplicates", dups)
     end
+    return marks
 end
 
 
 local function on_batch(self, msg)
-    hand_over(self, msg.items, msg.node and self.mark_node or self.mark)
+    local marks = hand_over(self, msg.items,
+                            msg.node and self.mark_node or self.mark)
     -- "current" events run in order: this one runs after the batch's
-    self.bus:publish("current", SRC, "done", msg)
+    -- handlers. Marking only then means a worker killed among them
+    -- leaves its successor the events it had not marked (some of which
+    -- may have run), rather than losing events marked and never run.
+    self.bus:publish("current", SRC, "done",
+                     { b = msg.b, r = msg.r, marks = marks })
 end
 
 
@@ -415,6 +431,12 @@ end
 
 
 local function on_done(self, msg)
+    local dict, handing, window = self.dict, self.handing, self.dedupe_window
+    local marks = msg.marks
+    for i = 1, #marks do
+        dict:set(marks[i], true, window)
+        handing[marks[i]] = nil
+    end
     if msg.r == self.wid then
         confirm(self, msg.b)
     else
@@ -425,15 +447,11 @@ end
 
 -- the reader ---------------------------------------------------------------
 
--- hands items (id, source, event, data, ...) to the workers in messages
--- of at most CHUNK bytes of data; true once `need` workers confirmed each;
--- node: the items are handled once per node (marked for the node)
-local function wait_batch(self, need, target, items, node)
-    local b = self.next_batch + 1
-    self.next_batch = b
-    local w = { need = 0, got = 0, sema = semaphore.new() }
-    self.waits[b] = w
-    local from, bytes, ok, err = 1, 0, true, nil
+-- hands items (encoded events) to the workers in messages of at most
+-- CHUNK bytes; each message is to be confirmed by `need` workers (w.need
+-- counts them); node: the items are handled once per node
+local function hand_to_workers(self, w, need, target, items, node)
+    local from, bytes = 1, 0
     local n = #items
     for i = 1, n do
         bytes = bytes + #items[i]
@@ -443,41 +461,24 @@ local function wait_batch(self, need, target, items, node)
                 part = { unpack(items, from, i) }
             end
             w.need = w.need + need
-            ok, err = self.bus:publish(target, SRC, "batch",
-                                       { b = b, r = self.wid, items = part,
-                                         node = node })
+            local ok, err = self.bus:publish(target, SRC, "batch",
+                                             { b = w.b, r = self.wid,
+                                               items = part, node = node })
             if not ok then
-                break
+                return nil, err
             end
             from, bytes = i + 1, 0
         end
     end
-    if ok then
-        ok, err = w.sema:wait(self.ack_timeout)
-    end
-    self.waits[b] = nil
-    if not ok then
-        count(self, "ack_timeouts")
-        log_throttled(self, ngx_WARN, "ack", "workers did not confirm a "
-                      .. "batch of " .. n .. " events: "
-                      .. tostring(err) .. "; they stay pending")
-    end
-    return ok
+    return true
 end
 
 
-local function field_map(f)
-    local m = {}
-    for i = 1, #f - 1, 2 do
-        m[f[i]] = f[i + 1]
-    end
-    return m
-end
-
-
--- entries -> delivered (workers confirmed), ids to XACK
+-- entries -> a batch in flight: w.ids are to be acknowledged once the
+-- workers confirmed (w.got == w.need), w.now at once (dead letters and
+-- entries trimmed away); nil, err when Redis failed
 local function deliver(self, red, key, entries, counts)
-    local all, here, ack = {}, {}, {}
+    local all, here, now, ids = {}, {}, {}, {}
     local dead = 0
     red:init_pipeline()
     for k = 1, #entries do
@@ -485,31 +486,31 @@ local function deliver(self, red, key, entries, counts)
         local id, f = e[1], e[2]
         if type(f) ~= "table" then
             -- trimmed away while pending (XREADGROUP 0 returns it empty)
-            ack[#ack + 1] = id
+            now[#now + 1] = id
             count(self, "trimmed")
         else
-            local m = field_map(f)
             local n = counts and counts[id] or 1
-            local t = m.t
-            if not m.p or not (t == "c" or t == "n" or t == "o")
+            local t = f[1] == "t" and f[3] == "p" and f[2]
+            if not (t == "c" or t == "n" or t == "o") or #f ~= 4
                or n > self.max_deliveries
             then
                 red:xadd(self.stream_dead, "MAXLEN", "~", 10000, "*",
                          "stream", key, "entry", id, "group",
                          key == self.stream and self.node_id or "one",
                          "deliveries", n, "fields", encode(f))
-                ack[#ack + 1] = id
+                now[#now + 1] = id
                 dead = dead + 1
             else
                 local to = t == "c" and all or here
-                to[#to + 1] = m.p
+                to[#to + 1] = f[4]
+                ids[#ids + 1] = id
             end
         end
     end
     if dead > 0 then
         local res, err = red:commit_pipeline()
         if not res then
-            return nil, nil, "failed to dead-letter: " .. tostring(err)
+            return nil, "failed to dead-letter: " .. tostring(err)
         end
         count(self, "dead_letters", dead)
         log_throttled(self, ngx_ERR, "dead", dead .. " entries of " .. key
@@ -517,23 +518,64 @@ local function deliver(self, red, key, entries, counts)
     else
         red:cancel_pipeline()
     end
-    local ok = true
+    local b = self.next_batch + 1
+    self.next_batch = b
+    ngx_update_time()
+    local w = { b = b, need = 0, got = 0, sema = semaphore.new(), ids = ids,
+                now = now, n = #ids, deadline = ngx_now() + self.ack_timeout }
+    self.waits[b] = w
+    local ok, err = true, nil
     if #all > 0 then
-        ok = wait_batch(self, self.nworkers, "all", all)
+        ok, err = hand_to_workers(self, w, self.nworkers, "all", all)
     end
-    if #here > 0 then
+    if ok and #here > 0 then
         -- "nodes" and "one" events: this worker handles them for the node
-        ok = wait_batch(self, 1, "current", here, true) and ok
+        ok, err = hand_to_workers(self, w, 1, "current", here, true)
     end
-    if ok then
-        for k = 1, #entries do
-            local f = entries[k][2]
-            if type(f) == "table" then
-                ack[#ack + 1] = entries[k][1]
+    if not ok then
+        w.failed = err
+    end
+    return w
+end
+
+
+-- takes the batches in flight whose workers confirmed, from the oldest,
+-- adding their ids to `acks`; waits for the oldest when `all` or when
+-- MAX_INFLIGHT are in flight. Returns false when one timed out (its
+-- entries stay pending, to be read again)
+local function settle(self, inflight, acks, all)
+    local fine = true
+    while #inflight > 0 do
+        local w = inflight[1]
+        if w.got < w.need and not w.failed then
+            if not all and #inflight < MAX_INFLIGHT then
+                break
+            end
+            ngx_update_time()
+            local left = w.deadline - ngx_now()
+            if left > 0 then
+                w.sema:wait(left)
             end
         end
+        for i = 1, #w.now do
+            acks[#acks + 1] = w.now[i]
+        end
+        if w.got >= w.need and not w.failed then
+            for i = 1, w.n do
+                acks[#acks + 1] = w.ids[i]
+            end
+        else
+            fine = false
+            count(self, "ack_timeouts")
+            log_throttled(self, ngx_WARN, "ack", "workers did not confirm "
+                          .. "a batch of " .. w.n .. " events ("
+                          .. tostring(w.failed or "timeout")
+                          .. "); they stay pending")
+        end
+        self.waits[w.b] = nil
+        table_remove(inflight, 1)
     end
-    return ok, ack
+    return fine
 end
 
 
@@ -562,6 +604,20 @@ end
 
 -- creates the group; a group this node had and lost (Redis lost its data,
 -- or the janitor removed it after group_idle) means a resync
+local function flush_acks(self, red, key, group, acks)
+    if #acks == 0 then
+        return true
+    end
+    local n, err = red:xack(key, group, unpack(acks))
+    if not n then
+        return nil, "failed to ack: " .. tostring(err)
+    end
+    count(self, "acked", #acks)
+    clear_tab(acks)
+    return true
+end
+
+
 local function create_group(self, red, key, group, from)
     local ok, err = red:xgroup("CREATE", key, group, from, "MKSTREAM")
     if not ok then
@@ -634,9 +690,11 @@ local function consume(self, red, key, group, from)
     local consumer = self.node_id
     local cursor = "0"
     local r, reply = resp.reader(red), {}
+    local block = floor(self.block * 1000)
     local read_new = { "XREADGROUP", "GROUP", group, consumer, "COUNT",
-                       self.batch, "BLOCK", floor(self.block * 1000),
-                       "STREAMS", key, ">" }
+                       self.batch, "BLOCK", block, "STREAMS", key, ">" }
+    local ack_args = { "XACK", key, group }
+    local inflight, acks = {}, {}
     local next_chores = 0
     while self.reading and not worker_exiting() do
         ngx_update_time()
@@ -663,12 +721,41 @@ local function consume(self, red, key, group, from)
         end
         local res
         if cursor then
+            -- the pending list: one batch at a time
+            if not settle(self, inflight, acks, true) then
+                cursor = "0"
+            end
+            ok, err = flush_acks(self, red, key, group, acks)
+            if not ok then
+                return nil, err
+            end
             res, err = red:xreadgroup("GROUP", group, consumer, "COUNT",
                                       self.batch, "STREAMS", key, cursor)
         else
+            if not settle(self, inflight, acks, false) then
+                cursor = "0"    -- read what was not confirmed again
+            end
+            local n = 1
+            if #acks > 0 then
+                for i = 1, #acks do
+                    ack_args[3 + i] = acks[i]
+                end
+                resp.put(r.out, ack_args, 3 + #acks)
+                n = 2
+            end
+            -- while batches are in flight, come back soon to ack them
+            read_new[8] = #inflight > 0 and ACK_LAG or block
             resp.put(r.out, read_new, 11)
-            res, err = resp.exchange(r, 1, reply)
-            res = res and reply[1]
+            ok, err = resp.exchange(r, n, reply)
+            if ok and n == 2 then
+                count(self, "acked", #acks)
+            end
+            clear_tab(acks)
+            res = ok and reply[n]
+            if not ok and not str_find(tostring(err), "NOGROUP", 1, true)
+            then
+                return nil, "failed to read " .. key .. ": " .. tostring(err)
+            end
         end
         if not res then
             if str_find(tostring(err), "NOGROUP", 1, true) then
@@ -691,25 +778,17 @@ local function consume(self, red, key, group, from)
                 counts = pending_counts(red, key, group, consumer, entries)
                 cursor = entries[#entries][1]
             end
-            local done, ack
-            done, ack, err = deliver(self, red, key, entries, counts)
-            if done == nil and err then
+            local w
+            w, err = deliver(self, red, key, entries, counts)
+            if not w then
                 return nil, err
             end
-            if #ack > 0 then
-                local n
-                n, err = red:xack(key, group, unpack(ack))
-                if not n then
-                    return nil, "failed to ack: " .. tostring(err)
-                end
-                count(self, "acked", #ack)
-            end
-            if not done then
-                cursor = "0"    -- read what was not confirmed again
-            end
+            inflight[#inflight + 1] = w
         end
     end
-    return true
+    -- leaving (reload, quit, lease lost): acknowledge what was confirmed
+    settle(self, inflight, acks, true)
+    return flush_acks(self, red, key, group, acks)
 end
 
 
@@ -826,6 +905,7 @@ function _M.init_worker(self)
     self.down = false
     self.logged = {}
     self.waits = {}
+    self.handing = {}       -- marks of events handed over, not yet run
     self.next_batch = 0
     self.reading = false
     bus:subscribe(SRC, "batch", function(msg) on_batch(self, msg) end)
