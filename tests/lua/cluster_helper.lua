@@ -107,7 +107,8 @@ function _M.handle()
         red:multi()
         red:xadd(c.stream_one, "*", "t", "o", "p",
                  require("string.buffer").encode({
-                     i = "d/x/" .. args.seq, s = "test", e = "ev",
+                     i = "d/x/", q = tonumber(args.seq), s = "test",
+                     e = "ev",
                      d = { tag = args.tag, seq = args.seq } }))
         red:xreadgroup("GROUP", "one", "d", "COUNT", 10, "STREAMS",
                        c.stream_one, ">")

@@ -244,7 +244,8 @@ function _M.publish(self, target, source, event, data)
     end
     local seq = self.seq + 1
     local env = self.envelope
-    env.i, env.s, env.e, env.d = self.id_prefix .. seq, source, event, data
+    env.i, env.q, env.s, env.e, env.d = self.id_prefix, seq, source, event,
+                                        data
     local ok, body = pcall(encode, env)
     env.d = nil
     if not ok then
@@ -372,29 +373,55 @@ end
 
 -- runs in the bus's handler timer of every worker of the node: hands the
 -- events this worker slot has not handled to the bus's handlers; returns
--- the marks to set once they ran
-local function hand_over(self, items, mark_prefix)
+-- the marks to set once they ran (key, value, ...). "cluster" events of
+-- one publisher come in its order (the stream's), so a slot keeps the
+-- highest sequence it handled per publisher; "nodes" and "one" events
+-- (claimed ones come out of order) are marked one by one.
+local function hand_over(self, items, node)
     local dict, bus, handing = self.dict, self.bus, self.handing
     local marks = {}
-    local bad = 0
+    local new, bad = 0, 0
     for i = 1, #items do
         local ok, m = pcall(decode, items[i])
         if not ok or type(m) ~= "table" or type(m.i) ~= "string"
-           or type(m.s) ~= "string" or type(m.e) ~= "string"
+           or type(m.q) ~= "number" or type(m.s) ~= "string"
+           or type(m.e) ~= "string"
         then
             bad = bad + 1
             log_throttled(self, ngx_ERR, "decode", "an event not "
                           .. "decodable: " .. tostring(ok and "" or m))
         else
-            local mark = mark_prefix .. m.i
-            if not handing[mark] and not dict:get(mark) then
-                handing[mark] = true
-                marks[#marks + 1] = mark
+            local fresh
+            local q = m.q
+            if node then
+                local key = self.mark_node .. m.i .. q
+                fresh = not handing[key] and not dict:get(key)
+                if fresh then
+                    handing[key] = q
+                    marks[#marks + 1] = key
+                    marks[#marks + 1] = true
+                end
+            else
+                local key = self.mark .. m.i
+                local hw = handing[key] or dict:get(key) or 0
+                fresh = q > hw
+                if fresh then
+                    handing[key] = q
+                    local n = #marks
+                    if marks[n - 1] == key then
+                        marks[n] = q
+                    else
+                        marks[n + 1] = key
+                        marks[n + 2] = q
+                    end
+                end
+            end
+            if fresh then
                 bus:publish("current", m.s, m.e, m.d)
+                new = new + 1
             end
         end
     end
-    local new = #marks
     count(self, "delivered", new)
     if bad > 0 then
         count(self, "undecodable", bad)
@@ -408,8 +435,7 @@ end
 
 
 local function on_batch(self, msg)
-    local marks = hand_over(self, msg.items,
-                            msg.node and self.mark_node or self.mark)
+    local marks = hand_over(self, msg.items, msg.node)
     -- "current" events run in order: this one runs after the batch's
     -- handlers. Marking only then means a worker killed among them
     -- leaves its successor the events it had not marked (some of which
@@ -433,9 +459,12 @@ end
 local function on_done(self, msg)
     local dict, handing, window = self.dict, self.handing, self.dedupe_window
     local marks = msg.marks
-    for i = 1, #marks do
-        dict:set(marks[i], true, window)
-        handing[marks[i]] = nil
+    for i = 1, #marks - 1, 2 do
+        local key, v = marks[i], marks[i + 1]
+        dict:set(key, v, window)
+        if handing[key] == v or v == true then
+            handing[key] = nil
+        end
     end
     if msg.r == self.wid then
         confirm(self, msg.b)
