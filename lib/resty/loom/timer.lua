@@ -504,6 +504,12 @@ end
 
 
 function _M.every(interval, callback, ...)
+    if type(interval) == "table" and interval.unique ~= nil then
+        -- once per cluster: resty.loom.cluster.timer (see docs/cluster.md)
+        local h, err = require("resty.loom.cluster.timer").every(
+            _M, interval, callback, ...)
+        return h, err
+    end
     if not active and not starting then
         check_phase()
     end

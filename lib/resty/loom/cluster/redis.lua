@@ -1,0 +1,206 @@
+-- Connections to the cluster's Redis master: directly, or found through
+-- Sentinel (ask each Sentinel in turn, promote the one that answered, and
+-- check ROLE on the address it gave: a demoted master is never written to).
+-- Also the validation of the `redis` option and the reconnect backoff, which
+-- the cluster bus and the cluster timers share.
+
+
+local ok_redis, redis = pcall(require, "nginx.redis")    -- Debian's path
+if not ok_redis then
+    redis = require "resty.redis"
+end
+
+local ngx_null = ngx.null
+local random = math.random
+local min = math.min
+local type = type
+local tostring = tostring
+local error = error
+local pairs = pairs
+local floor = math.floor
+
+local REDIS_KEYS = {
+    host = true, port = true, sentinels = true, master_name = true,
+    password = true, db = true, connect_timeout = true,
+}
+
+
+local _M = { _VERSION = "0.1.0" }
+
+
+-- level: of the user's call, as seen from the caller of these two
+local function check_port(p, what, level)
+    level = level + 1
+    if type(p) ~= "number" or p ~= floor(p) or p < 1 or p > 65535 then
+        error(what .. " must be an integer between 1 and 65535", level)
+    end
+end
+
+
+local function check_host(h, what, level)
+    level = level + 1
+    if type(h) ~= "string" or h == "" or #h > 255 then
+        error(what .. " must be a non-empty string", level)
+    end
+end
+
+
+-- validates opts.redis and returns a private copy (level: error level of
+-- the user's call)
+function _M.check(r, level)
+    level = level + 1
+    if type(r) ~= "table" then
+        error("opts.redis must be a table", level)
+    end
+    for k in pairs(r) do
+        if not REDIS_KEYS[k] then
+            error("opts.redis." .. tostring(k) .. " is not an option", level)
+        end
+    end
+    local conf = { port = 6379, db = 0, connect_timeout = 1 }
+    if r.sentinels ~= nil then
+        if r.host ~= nil or r.port ~= nil then
+            error("opts.redis takes host/port or sentinels, not both", level)
+        end
+        if type(r.sentinels) ~= "table" or #r.sentinels == 0
+           or #r.sentinels > 64
+        then
+            error("opts.redis.sentinels must be a list of 1 to 64 "
+                  .. "{ host = ..., port = ... }", level)
+        end
+        local list = {}
+        for i, s in pairs(r.sentinels) do
+            if type(i) ~= "number" or type(s) ~= "table" then
+                error("opts.redis.sentinels must be a list of "
+                      .. "{ host = ..., port = ... }", level)
+            end
+            check_host(s.host, "opts.redis.sentinels[" .. i .. "].host",
+                       level)
+            local p = s.port or 26379
+            check_port(p, "opts.redis.sentinels[" .. i .. "].port", level)
+            list[i] = { host = s.host, port = p }
+        end
+        check_host(r.master_name, "opts.redis.master_name", level)
+        conf.sentinels = list
+        conf.master_name = r.master_name
+    else
+        if r.master_name ~= nil then
+            error("opts.redis.master_name needs opts.redis.sentinels", level)
+        end
+        check_host(r.host, "opts.redis.host", level)
+        conf.host = r.host
+        if r.port ~= nil then
+            check_port(r.port, "opts.redis.port", level)
+            conf.port = r.port
+        end
+    end
+    if r.password ~= nil then
+        if type(r.password) ~= "string" or r.password == "" then
+            error("opts.redis.password must be a non-empty string", level)
+        end
+        conf.password = r.password
+    end
+    if r.db ~= nil then
+        local db = r.db
+        if type(db) ~= "number" or db ~= floor(db) or db < 0 or db > 65535
+        then
+            error("opts.redis.db must be an integer >= 0", level)
+        end
+        conf.db = db
+    end
+    if r.connect_timeout ~= nil then
+        local t = r.connect_timeout
+        if type(t) ~= "number" or t ~= t or t < 0.001 or t > 60 then
+            error("opts.redis.connect_timeout must be a number of seconds "
+                  .. "between 0.001 and 60", level)
+        end
+        conf.connect_timeout = t
+    end
+    return conf
+end
+
+
+-- the master's address from the Sentinels; the one that answers moves to
+-- the head of the list (this worker's copy)
+local function discover(conf)
+    local list = conf.sentinels
+    local last
+    for i = 1, #list do
+        local s = list[i]
+        local red = redis:new()
+        red:set_timeout(conf.connect_timeout * 1000)
+        local ok, err = red:connect(s.host, s.port)
+        if ok then
+            local res
+            res, err = red["sentinel"](red, "get-master-addr-by-name",
+                                       conf.master_name)
+            red:close()
+            if type(res) == "table" and res[1] and res[1] ~= ngx_null then
+                if i > 1 then
+                    list[1], list[i] = list[i], list[1]
+                end
+                return res[1], tonumber(res[2])
+            end
+            err = err or "master unknown"
+        end
+        last = s.host .. ":" .. s.port .. ": " .. tostring(err)
+    end
+    return nil, nil, "no sentinel knows the master (" .. tostring(last) .. ")"
+end
+
+
+-- connect(conf, read_timeout_s) -> red | nil, err
+-- read_timeout: seconds for every later reply (longer than any BLOCK)
+function _M.connect(conf, read_timeout)
+    local host, port = conf.host, conf.port
+    if conf.sentinels then
+        local err
+        host, port, err = discover(conf)
+        if not host then
+            return nil, err
+        end
+    end
+    local red = redis:new()
+    red:set_timeout(conf.connect_timeout * 1000)
+    local ok, err = red:connect(host, port)
+    if not ok then
+        return nil, host .. ":" .. port .. ": " .. tostring(err)
+    end
+    red:set_timeout(read_timeout * 1000)
+    if conf.password then
+        ok, err = red:auth(conf.password)
+        if not ok then
+            red:close()
+            return nil, "auth: " .. tostring(err)
+        end
+    end
+    if conf.db ~= 0 then
+        ok, err = red:select(conf.db)
+        if not ok then
+            red:close()
+            return nil, "select: " .. tostring(err)
+        end
+    end
+    if conf.sentinels then
+        -- a Sentinel may still name a master that was just demoted
+        local role
+        role, err = red:role()
+        if type(role) ~= "table" or role[1] ~= "master" then
+            red:close()
+            return nil, host .. ":" .. port .. " is not a master ("
+                        .. tostring(role and role[1] or err) .. ")"
+        end
+    end
+    return red
+end
+
+
+-- seconds to wait before the attempt after `failures` failed ones:
+-- doubling from lo to hi, then a uniform jitter of +-50 %
+function _M.backoff(failures, lo, hi)
+    local d = min(hi, lo * 2 ^ min(failures, 30))
+    return d * (0.5 + random())
+end
+
+
+return _M

@@ -1,0 +1,241 @@
+-- Once-per-cluster timers: timer.every({ unique = "cluster", ... }, fn).
+--
+-- Every worker of every node runs two local timers: a renewer (every
+-- ttl/3) that takes or keeps a lease in Redis (SET NX PX, with INCR of a
+-- fencing epoch when taken), and a ticker that asks Redis, atomically,
+-- whether this worker still holds the lease and the current period (from
+-- Redis's clock) has not run yet; only then does it call the callback,
+-- with the epoch. A holder that dies is replaced within ttl + ttl/3.
+
+
+local rconn = require "resty.loom.cluster.redis"
+
+local ngx_log = ngx.log
+local ngx_ERR = ngx.ERR
+local ngx_now = ngx.now
+local timer_every = ngx.timer.every
+local floor = math.floor
+local min = math.min
+local random = math.random
+local type = type
+local pairs = pairs
+local tostring = tostring
+local error = error
+local str_format = string.format
+
+local LOG_TAG = "[loom.cluster.timer] "
+local POOL_IDLE = 60000
+local POOL_SIZE = 8
+local OPTS = {
+    interval = true, name = true, unique = true, ttl = true, cluster = true,
+    max_run_time = true,
+}
+
+-- KEYS: lease, epoch; ARGV: token, ttl ms. Returns the holder's epoch,
+-- or 0 when another holds the lease.
+local ACQUIRE = [[
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+    redis.call('PEXPIRE', KEYS[1], ARGV[2])
+    return tonumber(redis.call('GET', KEYS[2]))
+end
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+    return redis.call('INCR', KEYS[2])
+end
+return 0
+]]
+
+-- KEYS: lease, epoch, last period; ARGV: token, interval ms.
+-- Returns { epoch, period } when this holder is to run the period now,
+-- { 0, 0 } when it does not hold the lease, { -1, 0 } when it ran already.
+local RUN = [[
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+    return { 0, 0 }
+end
+local t = redis.call('TIME')
+local k = math.floor((t[1] * 1000 + math.floor(t[2] / 1000)) / ARGV[2])
+if k <= tonumber(redis.call('GET', KEYS[3]) or -1) then
+    return { -1, 0 }
+end
+redis.call('SET', KEYS[3], k)
+return { tonumber(redis.call('GET', KEYS[2])), k }
+]]
+
+-- KEYS: lease; ARGV: token
+local RELEASE = [[
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+    return redis.call('DEL', KEYS[1])
+end
+return 0
+]]
+
+-- KEYS: epoch; ARGV: epoch
+local FENCE = [[
+return tonumber(redis.call('GET', KEYS[1]) or 0) == tonumber(ARGV[1])
+       and 1 or 0
+]]
+
+
+local _M = { _VERSION = "0.1.0" }
+
+local by_name = {}      -- name -> timer state, for fence()
+
+
+local function eval(conf, script, nkeys, ...)
+    local red, err = rconn.connect(conf, 2)
+    if not red then
+        return nil, err
+    end
+    local res
+    res, err = red:eval(script, nkeys, ...)
+    if res == nil then
+        red:close()
+        return nil, err
+    end
+    red:set_keepalive(POOL_IDLE, POOL_SIZE)
+    return res
+end
+
+
+local function log_failure(st, what, err)
+    local now = ngx_now()
+    if now - st.logged >= 10 then
+        st.logged = now
+        ngx_log(ngx_ERR, LOG_TAG, st.name, ": failed to ", what, ": ",
+                tostring(err))
+    end
+end
+
+
+local function renew(premature, st)
+    local conf = st.cluster.redis
+    if premature then
+        if st.epoch then
+            eval(conf, RELEASE, 1, st.lease, st.token)
+        end
+        return
+    end
+    local res, err = eval(conf, ACQUIRE, 2, st.lease, st.epoch_key,
+                          st.token, st.ttl_ms)
+    if not res then
+        log_failure(st, "renew the lease", err)
+        st.epoch = nil
+        return
+    end
+    st.epoch = res > 0 and res or nil
+end
+
+
+local function tick(premature, st, callback, ...)
+    if premature or not st.epoch then
+        return
+    end
+    local res, err = eval(st.cluster.redis, RUN, 3, st.lease, st.epoch_key,
+                          st.last_key, st.token, st.interval_ms)
+    if not res then
+        log_failure(st, "check the period", err)
+        return
+    end
+    local epoch = res[1]
+    if epoch == 0 then
+        st.epoch = nil              -- the lease went to another worker
+    elseif epoch > 0 then
+        return callback(false, epoch, res[2], ...)
+    end
+end
+
+
+-- every(timer, opts, callback, ...) -> handle | nil, err (timer: the
+-- resty.loom.timer module, which schedules the local ticks)
+function _M.every(timer, opts, callback, ...)
+    for k in pairs(opts) do
+        if not OPTS[k] then
+            error("opts." .. tostring(k) .. " is not an option of a "
+                  .. "cluster timer", 3)
+        end
+    end
+    if opts.unique ~= "cluster" then
+        error('opts.unique must be "cluster"', 3)
+    end
+    local interval = opts.interval
+    if type(interval) ~= "number" or interval ~= interval
+       or interval < 0.01 or interval > 86400 * 366
+    then
+        error("opts.interval must be a number of seconds between 0.01 and "
+              .. "a year", 3)
+    end
+    local name = opts.name
+    if type(name) ~= "string" or name == "" or #name > 200 then
+        error("opts.name must be a non-empty string (at most 200 bytes)",
+              3)
+    end
+    local ttl = opts.ttl or 3
+    if type(ttl) ~= "number" or ttl ~= ttl or ttl < 0.1 or ttl > 3600 then
+        error("opts.ttl must be a number of seconds between 0.1 and 3600",
+              3)
+    end
+    local c = opts.cluster or require("resty.loom.cluster").get()
+    if type(c) ~= "table" or type(c.redis) ~= "table" then
+        error("opts.cluster must be a resty.loom.cluster (or one must "
+              .. "have been made)", 3)
+    end
+    if type(callback) ~= "function" then
+        error("callback must be a function", 3)
+    end
+    if by_name[name] then
+        return nil, "name taken"
+    end
+    local prefix = c.stream .. ":timer:" .. name
+    local st = {
+        name = name,
+        cluster = c,
+        lease = prefix,
+        epoch_key = prefix .. ":epoch",
+        last_key = prefix .. ":period",
+        token = str_format("%s/%d/%d/%d", c.node_id, ngx.worker.pid(),
+                           floor(ngx_now() * 1000), random(1e9)),
+        ttl_ms = floor(ttl * 1000),
+        interval_ms = floor(interval * 1000),
+        epoch = nil,
+        logged = 0,
+    }
+    local ok, err = timer_every(ttl / 3, renew, st)
+    if not ok then
+        return nil, "failed to start the lease: " .. tostring(err)
+    end
+    ok, err = ngx.timer.at(0, renew, st)     -- take it now, if free
+    if not ok then
+        return nil, "failed to start the lease: " .. tostring(err)
+    end
+    -- a period starts at most a quarter of it (or ttl/3) late
+    local h
+    h, err = timer.every({ interval = min(interval / 4, ttl / 3),
+                           name = "cluster:" .. name,
+                           max_run_time = opts.max_run_time },
+                         tick, st, callback, ...)
+    if not h then
+        return nil, err
+    end
+    by_name[name] = st
+    return h
+end
+
+
+-- true while `epoch` is still the current epoch of the named timer's
+-- lease; nil, "stale epoch" once another holder has taken it since
+function _M.fence(name, epoch)
+    local st = by_name[name]
+    if not st then
+        error("no cluster timer named " .. tostring(name), 2)
+    end
+    local res, err = eval(st.cluster.redis, FENCE, 1, st.epoch_key, epoch)
+    if not res then
+        return nil, "failed to check the epoch: " .. tostring(err)
+    end
+    if res ~= 1 then
+        return nil, "stale epoch"
+    end
+    return true
+end
+
+
+return _M

@@ -1,0 +1,119 @@
+"""resty.loom.cluster: option validation, the janitor for groups of nodes
+that left, and XAUTOCLAIM of a dead node's "one" entries."""
+
+import time
+
+from clusterconf import (need_redis, redis_factory, start_node,  # noqa: F401
+                         wait_readers, stats, handled)
+
+BAD = [
+    ("nil", "opts must be a table"),
+    ("{}", "opts.redis must be a table"),
+    ("{redis = {host = 'h'}, node_id = 'a', shm = 'cluster', x = 1}",
+     "opts.x is not an option"),
+    ("{redis = {host = 'h', port = 0}, node_id = 'a', shm = 'cluster'}",
+     "opts.redis.port must be an integer between 1 and 65535"),
+    ("{redis = {host = 'h', sentinels = {{host = 'h'}}, master_name = 'm'},"
+     " node_id = 'a', shm = 'cluster'}", "host/port or sentinels"),
+    ("{redis = {sentinels = {{host = 'h'}}}, node_id = 'a', shm = 'cluster'}",
+     "opts.redis.master_name must be a non-empty string"),
+    ("{redis = {host = 'h', bogus = 1}, node_id = 'a', shm = 'cluster'}",
+     "opts.redis.bogus is not an option"),
+    ("{redis = {host = 'h'}, node_id = 'a b', shm = 'cluster'}",
+     "opts.node_id must be a non-empty string without spaces"),
+    ("{redis = {host = 'h'}, node_id = 'a', shm = 'nope'}",
+     "opts.shm must name a lua_shared_dict"),
+    ("{redis = {host = 'h'}, node_id = 'a', shm = 'cluster', batch = 0/0}",
+     "opts.batch must be an integer between 1 and 10000"),
+    ("{redis = {host = 'h'}, node_id = 'a', shm = 'cluster',"
+     " block = math.huge}", "opts.block must be a number of seconds"),
+    ("{redis = {host = 'h'}, node_id = 'a', shm = 'cluster', maxlen = 1.5}",
+     "opts.maxlen must be an integer"),
+    ("{redis = {host = 'h'}, node_id = 'a', shm = 'cluster',"
+     " when_down = 'drop'}", 'opts.when_down must be "reject" or "queue"'),
+    ("{redis = {host = 'h'}, node_id = 'a', shm = 'cluster',"
+     " claim_idle = 100, group_idle = 50}",
+     "opts.claim_idle must be less than opts.group_idle"),
+    ("{redis = {host = 'h'}, node_id = 'one', shm = 'cluster'}",
+     'must not be "one"'),
+]
+
+
+def test_bad_options_are_refused_with_the_option_named(nginx):
+    cases = "\n".join(
+        "do local ok, err = pcall(cluster.new, %s); "
+        "ngx.say(ok and 'accepted' or err) end" % lua for lua, _ in BAD)
+    n = nginx(http="lua_shared_dict cluster 1m;", server="""
+        location /t { content_by_lua_block {
+            local cluster = require "resty.loom.cluster"
+            %s
+            local timer = require "resty.loom.timer"
+            for _, o in ipairs({
+                { interval = 1, unique = "node", name = "x" },
+                { interval = 1, unique = "cluster" },
+                { interval = 0, unique = "cluster", name = "x" },
+                { interval = 1, unique = "cluster", name = "x", ttl = -1 },
+                { interval = 1, unique = "cluster", name = "x", y = 1 },
+                { interval = 1, unique = "cluster", name = "x" },
+            }) do
+                local ok, err = pcall(timer.every, o, function() end)
+                ngx.say(ok and "accepted" or err)
+            end
+        } }""" % cases)
+    lines = n.get("/t").text.splitlines()
+    for (lua, want), got in zip(BAD, lines):
+        assert want in got, (lua, got)
+        # the error points at the caller, not at the module
+        assert "cluster.lua" not in got and "redis.lua" not in got, got
+    timer_lines = lines[len(BAD):]
+    assert 'opts.unique must be "cluster"' in timer_lines[0]
+    assert "opts.name must be a non-empty string" in timer_lines[1]
+    assert "opts.interval must be a number" in timer_lines[2]
+    assert "opts.ttl must be a number" in timer_lines[3]
+    assert "opts.y is not an option of a cluster timer" in timer_lines[4]
+    # a well-formed cluster timer needs a cluster: none was made here
+    assert "opts.cluster must be a resty.loom.cluster" in timer_lines[5]
+
+
+@need_redis
+def test_groups_of_nodes_that_left_are_removed(redis_factory, nginx):
+    r = redis_factory()
+    r.cli("XGROUP", "CREATE", "loom:cluster", "gone", "$", "MKSTREAM")
+    r.cli("XGROUP", "CREATE", "loom:cluster", "fresh", "$")
+    now_ms = int(time.time() * 1000)
+    r.cli("HSET", "loom:cluster:nodes", "gone", str(now_ms - 10000),
+          "fresh", str(now_ms))
+    n = start_node(nginx, {"host": "127.0.0.1", "port": r.port}, "a",
+                   group_idle=5, claim_idle=1, ack_timeout=0.5)
+    wait_readers([n])
+    deadline = time.time() + 10
+    while stats(n)["groups_removed"] < 1 and time.time() < deadline:
+        time.sleep(0.1)
+    groups = r.cli("XINFO", "GROUPS", "loom:cluster")
+    assert stats(n)["groups_removed"] == 1
+    assert "gone" not in groups and "fresh" in groups and "\na\n" in groups
+    assert "gone" in r.cli("HKEYS", "loom:cluster:removed")
+    n.wait_log(r"removed the group of node gone")
+
+
+@need_redis
+def test_one_entries_of_a_dead_node_are_claimed(redis_factory, nginx):
+    r = redis_factory()
+    r.cli("XGROUP", "CREATE", "loom:cluster:one", "one", "0", "MKSTREAM")
+    # an entry the dead node "d" read and never acknowledged
+    n = start_node(nginx, {"host": "127.0.0.1", "port": r.port}, "a",
+                   claim_idle=1, ack_timeout=0.5)
+    wait_readers([n])
+    assert n.get("/cl/plant?tag=c&seq=1").text == "taken by d\n"
+    deadline = time.time() + 15
+    while time.time() < deadline:
+        total = sum(c[("c", 1)] for c in handled(n).values())
+        if total:
+            break
+        time.sleep(0.1)
+    time.sleep(1)
+    total = sum(c[("c", 1)] for c in handled(n).values())
+    assert total == 1, handled(n)
+    assert stats(n)["claimed"] == 1
+    pending = r.cli("XPENDING", "loom:cluster:one", "one").split("\n")[0]
+    assert pending == "0"
