@@ -153,3 +153,36 @@ def test_gateway_runs_as_a_non_root_user():
     log = out.read_text()
     shutil.rmtree(tmp_path)
     assert not re.search(r"\[(warn|error|crit|alert|emerg)\]", log), log
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs to start as root")
+def test_checkout_the_workers_cannot_read_says_what_to_do():
+    # a checkout under a directory private to root (a clone in /root): the
+    # workers (nobody) could not load Lua modules, reach the bus socket or
+    # write temporary files; the gateway must not start half-broken
+    private = pathlib.Path(tempfile.mkdtemp(prefix="loom-private-"))
+    try:
+        os.chmod(private, 0o700)
+        os.symlink(ROOT, private / "checkout")
+        port = free_port()
+        env = dict(os.environ, LOOM_GATEWAY_PREFIX=str(private / "prefix"),
+                   LOOM_GATEWAY_LISTEN="127.0.0.1:%d" % port)
+        env.pop("LOOM_GATEWAY_USER", None)
+        proc = subprocess.Popen(
+            [str(private / "checkout" / "examples" / "gateway" / "run.sh")],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGQUIT)
+            out, err = proc.communicate(timeout=20)
+            pytest.fail("started with workers that cannot read %s:\n%s"
+                        % (private, err))
+    finally:
+        shutil.rmtree(private)
+    assert proc.returncode == 1
+    lines = err.strip().split("\n")
+    assert len(lines) == 1, err
+    assert "nobody" in lines[0] and str(private) in lines[0], lines[0]
+    assert "LOOM_GATEWAY_USER=" in lines[0], lines[0]
