@@ -4,7 +4,7 @@
 #                runtime, start the example gateway (no Go, no Rust)
 #   make test    install everything, lint, build (runtimes included), run
 #                the whole test suite
-#   make runtimes  build the offload runtimes (C, Rust, Go, Python)
+#   make runtimes  build the offload runtimes (C, Rust, Go, Python, Java, Lua)
 #   make install   PREFIX=/usr/local (DESTDIR= for staging)
 #   make deb       build/libnginx-mod-http-loom_<version>-1_<arch>.deb
 #   make build   build build/ngx_loom_module.so (NGINX_SRC=<tree> to use
