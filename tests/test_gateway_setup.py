@@ -186,3 +186,31 @@ def test_checkout_the_workers_cannot_read_says_what_to_do():
     assert len(lines) == 1, err
     assert "nobody" in lines[0] and str(private) in lines[0], lines[0]
     assert "LOOM_GATEWAY_USER=" in lines[0], lines[0]
+
+
+def test_every_listed_package_comes_from_the_archive():
+    # `make deps` installs the lists with apt-get: one package that only a
+    # third-party repository has (Google's Pub/Sub emulator) fails the whole
+    # install, and with it `make test`, on a stock machine
+    pkgs = {}
+    for name in ("apt-packages.txt", "apt-packages-run.txt"):
+        with open(os.path.join(ROOT, "deps", name)) as f:
+            for line in f:
+                if line.strip() and not line.startswith("#"):
+                    pkgs.setdefault(line.strip(), name)
+    out = subprocess.run(["apt-cache", "policy", "nginx"] + sorted(pkgs),
+                         capture_output=True, text=True).stdout
+    # one block per package: "name:" then its version table, whose lines
+    # name where each version comes from
+    sources = {}
+    for line in out.splitlines():
+        if re.match(r"^\S+:$", line):
+            pkg = sources.setdefault(line[:-1], [])
+        elif re.match(r"^\s+-?\d+ \S", line) and \
+                "/var/lib/dpkg/status" not in line:
+            pkg.append(line)
+    if not sources.get("nginx"):
+        pytest.skip("no apt package lists here (apt-get update)")
+    missing = ["%s (%s)" % (p, name) for p, name in sorted(pkgs.items())
+               if not sources.get(p)]
+    assert not missing, "not in the configured archives: %s" % missing
