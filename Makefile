@@ -100,7 +100,11 @@ $(SINK): tests/pubsub/sink.c
 	@mkdir -p $(BUILD_DIR)
 	$(CC) -O2 -Wall -Wextra -o $@ $<
 
+# the Go and Rust toolchains are not Debian packages of deps/ (README)
 runtimes:
+	@for t in go cargo; do command -v $$t >/dev/null || { echo "make" \
+	    "runtimes needs $$t on PATH: Go 1.24+ from go.dev, Rust from" \
+	    "rustup or Debian's cargo-web"; exit 1; }; done
 	@for d in $(RUNTIMES); do $(MAKE) -C $$d all || exit 1; done
 
 # the example C runtime alone: the gateway's /offload endpoints use it

@@ -214,3 +214,17 @@ def test_every_listed_package_comes_from_the_archive():
     missing = ["%s (%s)" % (p, name) for p, name in sorted(pkgs.items())
                if not sources.get(p)]
     assert not missing, "not in the configured archives: %s" % missing
+
+
+def test_runtimes_without_toolchains_say_what_to_install():
+    # Go and Rust are not in deps/: a machine without them gets one line
+    path = "/usr/sbin:/usr/bin:/sbin:/bin"
+    if shutil.which("go", path=path) or shutil.which("cargo", path=path):
+        pytest.skip("go or cargo installed in " + path)
+    res = subprocess.run(["make", "-s", "-C", ROOT, "runtimes"],
+                         env=dict(os.environ, PATH=path),
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0
+    assert res.stdout.strip().split("\n") == [
+        "make runtimes needs go on PATH: Go 1.24+ from go.dev, Rust from "
+        "rustup or Debian's cargo-web"], res.stdout + res.stderr
