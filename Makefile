@@ -20,6 +20,10 @@ NGINX        ?= /usr/sbin/nginx
 # on PATH.
 PYTHON       ?= /usr/bin/python3
 PYTEST_ARGS  ?=
+# Go and Rust are not Debian packages here: where go.dev's tarball and
+# rustup put them, for a shell whose PATH lacks them (sudo, CI)
+TOOLCHAIN_PATH ?= /usr/local/go/bin:$(HOME)/.cargo/bin
+export PATH  := $(PATH):$(TOOLCHAIN_PATH)
 SRC_DIR      := $(BUILD_DIR)/nginx-src
 MODULE       := $(BUILD_DIR)/ngx_loom_module.so
 SINK         := $(BUILD_DIR)/pubsub-sink
@@ -100,7 +104,6 @@ $(SINK): tests/pubsub/sink.c
 	@mkdir -p $(BUILD_DIR)
 	$(CC) -O2 -Wall -Wextra -o $@ $<
 
-# the Go and Rust toolchains are not Debian packages of deps/ (README)
 runtimes:
 	@for t in go cargo; do command -v $$t >/dev/null || { echo "make" \
 	    "runtimes needs $$t on PATH: Go 1.24+ from go.dev, Rust from" \

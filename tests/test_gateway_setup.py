@@ -221,7 +221,8 @@ def test_runtimes_without_toolchains_say_what_to_install():
     path = "/usr/sbin:/usr/bin:/sbin:/bin"
     if shutil.which("go", path=path) or shutil.which("cargo", path=path):
         pytest.skip("go or cargo installed in " + path)
-    res = subprocess.run(["make", "-s", "-C", ROOT, "runtimes"],
+    res = subprocess.run(["make", "-s", "-C", ROOT, "runtimes",
+                          "TOOLCHAIN_PATH="],
                          env=dict(os.environ, PATH=path),
                          capture_output=True, text=True, timeout=120)
     assert res.returncode != 0
