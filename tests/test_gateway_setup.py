@@ -229,3 +229,19 @@ def test_runtimes_without_toolchains_say_what_to_install():
     assert res.stdout.strip().split("\n") == [
         "make runtimes needs go on PATH: Go 1.24+ from go.dev, Rust from "
         "rustup or Debian's cargo-web"], res.stdout + res.stderr
+
+
+def test_runtimes_find_toolchains_off_path():
+    # sudo's secure_path and a bare CI shell lack /usr/local/go/bin and
+    # ~/.cargo/bin, where go.dev's tarball and rustup install
+    path = "/usr/sbin:/usr/bin:/sbin:/bin"
+    home = os.path.expanduser("~")
+    if shutil.which("go", path=path) or shutil.which("cargo", path=path):
+        pytest.skip("go or cargo installed in " + path)
+    if not (os.path.exists("/usr/local/go/bin/go")
+            and os.path.exists(home + "/.cargo/bin/cargo")):
+        pytest.skip("no /usr/local/go or ~/.cargo toolchain here")
+    res = subprocess.run(["make", "-s", "-C", ROOT, "runtimes"],
+                         env=dict(os.environ, PATH=path, HOME=home),
+                         capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout + res.stderr
