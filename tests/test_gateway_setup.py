@@ -231,9 +231,10 @@ def test_runtimes_without_toolchains_say_what_to_install():
         "rustup or Debian's cargo-web"], res.stdout + res.stderr
 
 
-def test_runtimes_find_toolchains_off_path():
+def test_runtimes_find_toolchains_off_path(tmp_path):
     # sudo's secure_path and a bare CI shell lack /usr/local/go/bin and
-    # ~/.cargo/bin, where go.dev's tarball and rustup install
+    # ~/.cargo/bin, where go.dev's tarball and rustup install; BUILD= puts
+    # every runtime in a scratch directory, so go and cargo do run
     path = "/usr/sbin:/usr/bin:/sbin:/bin"
     home = os.path.expanduser("~")
     if shutil.which("go", path=path) or shutil.which("cargo", path=path):
@@ -241,7 +242,10 @@ def test_runtimes_find_toolchains_off_path():
     if not (os.path.exists("/usr/local/go/bin/go")
             and os.path.exists(home + "/.cargo/bin/cargo")):
         pytest.skip("no /usr/local/go or ~/.cargo toolchain here")
-    res = subprocess.run(["make", "-s", "-C", ROOT, "runtimes"],
+    res = subprocess.run(["make", "-s", "-C", ROOT, "runtimes",
+                          "BUILD=%s" % tmp_path],
                          env=dict(os.environ, PATH=path, HOME=home),
                          capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout + res.stderr
+    assert os.path.exists(tmp_path / "libloom_rt_go_example.so")
+    assert os.path.exists(tmp_path / "libloom_rt_rust_example.so")
