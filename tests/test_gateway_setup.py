@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from loomtest.gateway import Gateway
+from loomtest.gateway import Gateway, readable_checkout
 from loomtest.nginx import NGINX, ROOT, free_port
 
 RUN_SH = os.path.join(ROOT, "examples", "gateway", "run.sh")
@@ -92,7 +92,8 @@ def test_missing_packages_as_non_root_say_what_to_run():
         os.chmod(f.name, 0o644)
         res = subprocess.run(
             ["setpriv", "--reuid=nobody", "--regid=nogroup",
-             "--clear-groups", "make", "-s", "-C", ROOT, "deps-run",
+             "--clear-groups", "make", "-s", "-C", readable_checkout(),
+             "deps-run",
              "RUN_PACKAGES=" + f.name, "BUILD_DIR=/tmp/loom-none"],
             capture_output=True, text=True, timeout=60)
     assert res.returncode != 0
@@ -129,7 +130,9 @@ def test_gateway_runs_as_a_non_root_user():
     with open(out, "w") as log:
         proc = subprocess.Popen(
             ["setpriv", "--reuid=nobody", "--regid=nogroup",
-             "--clear-groups", RUN_SH], env=env, cwd="/",
+             "--clear-groups", os.path.join(readable_checkout(), "examples",
+                                            "gateway", "run.sh")],
+            env=env, cwd="/",
             stdout=log, stderr=subprocess.STDOUT)
     try:
         g = Gateway()
@@ -249,3 +252,25 @@ def test_runtimes_find_toolchains_off_path(tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     assert os.path.exists(tmp_path / "libloom_rt_go_example.so")
     assert os.path.exists(tmp_path / "libloom_rt_rust_example.so")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs to start as root")
+def test_tests_run_the_gateway_from_a_checkout_private_to_root():
+    # CI may clone under /root: the tests' gateway runs from a readable copy
+    private = pathlib.Path(tempfile.mkdtemp(prefix="loom-private-"))
+    try:
+        os.chmod(private, 0o700)
+        os.symlink(ROOT, private / "checkout")
+        g = Gateway(root=str(private / "checkout"))
+        assert not g.root.startswith(str(private))
+        g.start()
+        try:
+            assert g.request("PUT", "/config/k", body=b"v").status == 200
+            # a module the workers require on first use
+            assert g.get("/loom/timers/flamegraph.svg").status == 200
+            assert g.get("/offload/hash?data=x&rounds=1").status == 200
+        finally:
+            g.stop()
+    finally:
+        shutil.rmtree(private)
+    assert not g.bad_log_lines(), g.output()
