@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from loomtest.gateway import Gateway, readable_checkout
-from loomtest.nginx import NGINX, ROOT, free_port
+from loomtest.gateway import Gateway
+from loomtest.nginx import NGINX, ROOT, free_port, readable_checkout
 
 RUN_SH = os.path.join(ROOT, "examples", "gateway", "run.sh")
 

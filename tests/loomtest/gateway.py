@@ -1,50 +1,19 @@
 """The example gateway (examples/gateway), started the way `make run` does
 but on a free port and in a temporary prefix."""
 
-import atexit
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
 import tempfile
 import time
 
-from .nginx import NGINX, ROOT, Response, free_port, _children, _cmdline
+from .nginx import (NGINX, ROOT, Response, free_port, _children, _cmdline,
+                    readable_checkout)
 import http.client
 
 BAD = re.compile(r"\[(error|crit|alert|emerg)\]")
-# what the gateway, and the tests that run as nobody, read from a checkout
-CHECKOUT_FILES = ("lib", "examples/gateway", "build/ngx_loom_module.so",
-                  "runtimes/c/libloom_offload_c.so", "Makefile", "deps")
-_copies = {}
-
-
-def readable_checkout(root=ROOT):
-    """root, or, started as root with a checkout that nobody (the workers'
-    user) cannot read (a clone under /root), a world-readable copy of what
-    the gateway reads, made once."""
-    events = os.path.join(root, "lib", "resty", "loom", "events.lua")
-    if os.geteuid() != 0 or subprocess.run(
-            ["setpriv", "--reuid=nobody", "--regid=nogroup",
-             "--clear-groups", "test", "-r", events]).returncode == 0:
-        return root
-    if root not in _copies:
-        copy = tempfile.mkdtemp(prefix="loom-checkout-")
-        atexit.register(shutil.rmtree, copy, True)
-        os.chmod(copy, 0o755)
-        for rel in CHECKOUT_FILES:
-            src, dst = os.path.join(root, rel), os.path.join(copy, rel)
-            if os.path.isdir(src):
-                shutil.copytree(src, dst)
-            else:
-                os.makedirs(os.path.dirname(dst), exist_ok=True)
-                shutil.copy2(src, dst)
-        _copies[root] = copy
-    return _copies[root]
-
-
 class Gateway:
     def __init__(self, env=None, root=ROOT):
         self.root = readable_checkout(root)
