@@ -4,7 +4,7 @@
 #                runtime, start the example gateway (no Go, no Rust)
 #   make test    install everything, lint, build (runtimes included), run
 #                the whole test suite
-#   make runtimes  build the offload runtimes (C, Rust, Go, Python)
+#   make runtimes  build the offload runtimes (C, Rust, Go, Python, Java, Lua)
 #   make install   PREFIX=/usr/local (DESTDIR= for staging)
 #   make deb       build/libnginx-mod-http-loom_<version>-1_<arch>.deb
 #   make build   build build/ngx_loom_module.so (NGINX_SRC=<tree> to use
@@ -20,6 +20,10 @@ NGINX        ?= /usr/sbin/nginx
 # on PATH.
 PYTHON       ?= /usr/bin/python3
 PYTEST_ARGS  ?=
+# Go and Rust are not Debian packages here: where go.dev's tarball and
+# rustup put them, for a shell whose PATH lacks them (sudo, CI)
+TOOLCHAIN_PATH ?= /usr/local/go/bin:$(HOME)/.cargo/bin
+export PATH  := $(PATH):$(TOOLCHAIN_PATH)
 SRC_DIR      := $(BUILD_DIR)/nginx-src
 MODULE       := $(BUILD_DIR)/ngx_loom_module.so
 SINK         := $(BUILD_DIR)/pubsub-sink
@@ -101,6 +105,9 @@ $(SINK): tests/pubsub/sink.c
 	$(CC) -O2 -Wall -Wextra -o $@ $<
 
 runtimes:
+	@for t in go cargo; do command -v $$t >/dev/null || { echo "make" \
+	    "runtimes needs $$t on PATH: Go 1.24+ from go.dev, Rust from" \
+	    "rustup or Debian's cargo-web"; exit 1; }; done
 	@for d in $(RUNTIMES); do $(MAKE) -C $$d all || exit 1; done
 
 # the example C runtime alone: the gateway's /offload endpoints use it

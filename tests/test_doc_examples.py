@@ -16,7 +16,8 @@ import time
 
 import pytest
 
-from loomtest.nginx import BAD_LOG, NGINX, ROOT, free_port
+from loomtest.nginx import (BAD_LOG, NGINX, ROOT, free_port,
+                            readable_checkout)
 
 RUN_LANGS = {"nginx", "lua", "sh", "rust", "go", "python", "c", "toml",
              "java"}
@@ -104,7 +105,7 @@ def examples():
 
 
 def substitute(text, prefix, port):
-    text = text.replace("/path/to/resty-loom", ROOT)
+    text = text.replace("/path/to/resty-loom", readable_checkout())
     text = text.replace("/run/myapp", os.path.join(prefix, "run"))
     return PORT_RX.sub("127.0.0.1:%d" % port, text)
 

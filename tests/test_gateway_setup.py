@@ -16,7 +16,7 @@ import time
 import pytest
 
 from loomtest.gateway import Gateway
-from loomtest.nginx import NGINX, ROOT, free_port
+from loomtest.nginx import NGINX, ROOT, free_port, readable_checkout
 
 RUN_SH = os.path.join(ROOT, "examples", "gateway", "run.sh")
 
@@ -92,7 +92,8 @@ def test_missing_packages_as_non_root_say_what_to_run():
         os.chmod(f.name, 0o644)
         res = subprocess.run(
             ["setpriv", "--reuid=nobody", "--regid=nogroup",
-             "--clear-groups", "make", "-s", "-C", ROOT, "deps-run",
+             "--clear-groups", "make", "-s", "-C", readable_checkout(),
+             "deps-run",
              "RUN_PACKAGES=" + f.name, "BUILD_DIR=/tmp/loom-none"],
             capture_output=True, text=True, timeout=60)
     assert res.returncode != 0
@@ -129,7 +130,9 @@ def test_gateway_runs_as_a_non_root_user():
     with open(out, "w") as log:
         proc = subprocess.Popen(
             ["setpriv", "--reuid=nobody", "--regid=nogroup",
-             "--clear-groups", RUN_SH], env=env, cwd="/",
+             "--clear-groups", os.path.join(readable_checkout(), "examples",
+                                            "gateway", "run.sh")],
+            env=env, cwd="/",
             stdout=log, stderr=subprocess.STDOUT)
     try:
         g = Gateway()
@@ -153,3 +156,121 @@ def test_gateway_runs_as_a_non_root_user():
     log = out.read_text()
     shutil.rmtree(tmp_path)
     assert not re.search(r"\[(warn|error|crit|alert|emerg)\]", log), log
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs to start as root")
+def test_checkout_the_workers_cannot_read_says_what_to_do():
+    # a checkout under a directory private to root (a clone in /root): the
+    # workers (nobody) could not load Lua modules, reach the bus socket or
+    # write temporary files; the gateway must not start half-broken
+    private = pathlib.Path(tempfile.mkdtemp(prefix="loom-private-"))
+    try:
+        os.chmod(private, 0o700)
+        os.symlink(ROOT, private / "checkout")
+        port = free_port()
+        env = dict(os.environ, LOOM_GATEWAY_PREFIX=str(private / "prefix"),
+                   LOOM_GATEWAY_LISTEN="127.0.0.1:%d" % port)
+        env.pop("LOOM_GATEWAY_USER", None)
+        proc = subprocess.Popen(
+            [str(private / "checkout" / "examples" / "gateway" / "run.sh")],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGQUIT)
+            out, err = proc.communicate(timeout=20)
+            pytest.fail("started with workers that cannot read %s:\n%s"
+                        % (private, err))
+    finally:
+        shutil.rmtree(private)
+    assert proc.returncode == 1
+    lines = err.strip().split("\n")
+    assert len(lines) == 1, err
+    assert "nobody" in lines[0] and str(private) in lines[0], lines[0]
+    assert "LOOM_GATEWAY_USER=" in lines[0], lines[0]
+
+
+def test_every_listed_package_comes_from_the_archive():
+    # `make deps` installs the lists with apt-get: one package that only a
+    # third-party repository has (Google's Pub/Sub emulator) fails the whole
+    # install, and with it `make test`, on a stock machine
+    pkgs = {}
+    for name in ("apt-packages.txt", "apt-packages-run.txt"):
+        with open(os.path.join(ROOT, "deps", name)) as f:
+            for line in f:
+                if line.strip() and not line.startswith("#"):
+                    pkgs.setdefault(line.strip(), name)
+    out = subprocess.run(["apt-cache", "policy", "nginx"] + sorted(pkgs),
+                         capture_output=True, text=True).stdout
+    # one block per package: "name:" then its version table, whose lines
+    # name where each version comes from
+    sources = {}
+    for line in out.splitlines():
+        if re.match(r"^\S+:$", line):
+            pkg = sources.setdefault(line[:-1], [])
+        elif re.match(r"^\s+-?\d+ \S", line) and \
+                "/var/lib/dpkg/status" not in line:
+            pkg.append(line)
+    if not sources.get("nginx"):
+        pytest.skip("no apt package lists here (apt-get update)")
+    missing = ["%s (%s)" % (p, name) for p, name in sorted(pkgs.items())
+               if not sources.get(p)]
+    assert not missing, "not in the configured archives: %s" % missing
+
+
+def test_runtimes_without_toolchains_say_what_to_install():
+    # Go and Rust are not in deps/: a machine without them gets one line
+    path = "/usr/sbin:/usr/bin:/sbin:/bin"
+    if shutil.which("go", path=path) or shutil.which("cargo", path=path):
+        pytest.skip("go or cargo installed in " + path)
+    res = subprocess.run(["make", "-s", "-C", ROOT, "runtimes",
+                          "TOOLCHAIN_PATH="],
+                         env=dict(os.environ, PATH=path),
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0
+    assert res.stdout.strip().split("\n") == [
+        "make runtimes needs go on PATH: Go 1.24+ from go.dev, Rust from "
+        "rustup or Debian's cargo-web"], res.stdout + res.stderr
+
+
+def test_runtimes_find_toolchains_off_path(tmp_path):
+    # sudo's secure_path and a bare CI shell lack /usr/local/go/bin and
+    # ~/.cargo/bin, where go.dev's tarball and rustup install; BUILD= puts
+    # every runtime in a scratch directory, so go and cargo do run
+    path = "/usr/sbin:/usr/bin:/sbin:/bin"
+    home = os.path.expanduser("~")
+    if shutil.which("go", path=path) or shutil.which("cargo", path=path):
+        pytest.skip("go or cargo installed in " + path)
+    if not (os.path.exists("/usr/local/go/bin/go")
+            and os.path.exists(home + "/.cargo/bin/cargo")):
+        pytest.skip("no /usr/local/go or ~/.cargo toolchain here")
+    res = subprocess.run(["make", "-s", "-C", ROOT, "runtimes",
+                          "BUILD=%s" % tmp_path],
+                         env=dict(os.environ, PATH=path, HOME=home),
+                         capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert os.path.exists(tmp_path / "libloom_rt_go_example.so")
+    assert os.path.exists(tmp_path / "libloom_rt_rust_example.so")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs to start as root")
+def test_tests_run_the_gateway_from_a_checkout_private_to_root():
+    # CI may clone under /root: the tests' gateway runs from a readable copy
+    private = pathlib.Path(tempfile.mkdtemp(prefix="loom-private-"))
+    try:
+        os.chmod(private, 0o700)
+        os.symlink(ROOT, private / "checkout")
+        g = Gateway(root=str(private / "checkout"))
+        assert not g.root.startswith(str(private))
+        g.start()
+        try:
+            assert g.request("PUT", "/config/k", body=b"v").status == 200
+            # a module the workers require on first use
+            assert g.get("/loom/timers/flamegraph.svg").status == 200
+            assert g.get("/offload/hash?data=x&rounds=1").status == 200
+        finally:
+            g.stop()
+    finally:
+        shutil.rmtree(private)
+    assert not g.bad_log_lines(), g.output()

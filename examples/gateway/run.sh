@@ -25,8 +25,8 @@ mkdir -p -m 0700 "$PREFIX/sock"
 # the configuration the gateway keeps across reloads; its workers write it
 mkdir -p "$PREFIX/state"
 if [ "$(id -u)" = 0 ]; then
-    chown "$(echo "${LOOM_GATEWAY_USER:-nobody}" | cut -d' ' -f1)" \
-        "$PREFIX/state"
+    read -r WORKER WORKER_GROUP <<< "${LOOM_GATEWAY_USER:-nobody}"
+    chown "$WORKER" "$PREFIX/state"
 fi
 render "$ROOT/examples/gateway/nginx.conf" "$PREFIX/conf/nginx.conf"
 for f in "$ROOT"/examples/gateway/conf.d/*.conf; do
@@ -39,6 +39,20 @@ if [ -n "${LOOM_GATEWAY_RENDER_ONLY:-}" ]; then exit 0; fi
 if (exec 3<>"/dev/tcp/${LISTEN%:*}/${LISTEN##*:}") 2>/dev/null; then
     echo "$LISTEN is already in use (a running nginx?); choose another" \
          "address: LOOM_GATEWAY_LISTEN=127.0.0.1:8081 make run" >&2
+    exit 1
+fi
+
+# The workers load Lua modules from the checkout and write under the
+# prefix: a checkout in a directory private to root (/root) would give
+# a gateway that starts and then fails on every worker.
+if [ "$(id -u)" = 0 ] && ! setpriv --reuid="$WORKER" \
+        --regid="${WORKER_GROUP:-$(id -gn "$WORKER")}" --clear-groups \
+        test -r "$ROOT/lib/resty/loom/events.lua" -a -w "$PREFIX/state"
+then
+    echo "the workers run as $WORKER and cannot read $ROOT or write" \
+         "$PREFIX (a private parent directory?); put the checkout" \
+         "where $WORKER can read it (e.g. under /opt), or choose" \
+         "their user: LOOM_GATEWAY_USER=<user> make run" >&2
     exit 1
 fi
 

@@ -9,14 +9,14 @@ import subprocess
 import tempfile
 import time
 
-from .nginx import NGINX, ROOT, Response, free_port, _children, _cmdline
+from .nginx import (NGINX, ROOT, Response, free_port, _children, _cmdline,
+                    readable_checkout)
 import http.client
 
 BAD = re.compile(r"\[(error|crit|alert|emerg)\]")
-
-
 class Gateway:
-    def __init__(self, env=None):
+    def __init__(self, env=None, root=ROOT):
+        self.root = readable_checkout(root)
         self.prefix = tempfile.mkdtemp(prefix="loom-gateway-")
         os.chmod(self.prefix, 0o755)
         self.port = free_port()
@@ -31,7 +31,7 @@ class Gateway:
     def start(self, timeout=20):
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
-            [os.path.join(ROOT, "examples", "gateway", "run.sh")],
+            [os.path.join(self.root, "examples", "gateway", "run.sh")],
             env=self.env, stdout=self.log, stderr=subprocess.STDOUT,
             start_new_session=True)
         deadline = time.time() + timeout

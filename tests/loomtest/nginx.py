@@ -19,6 +19,28 @@ LOOM_MODULE = os.environ.get(
     "LOOM_MODULE", os.path.join(ROOT, "build", "ngx_loom_module.so"))
 
 BAD_LOG = re.compile(r"\[(error|crit|alert|emerg)\]")
+_copies = {}
+
+
+def readable_checkout(root=ROOT):
+    """root, or, when we are root and nobody (the user nginx's workers take
+    without a `user` line) cannot read it (a clone under /root), a
+    world-readable copy of it (without .git), made once: the example
+    gateway and the doc examples run from there."""
+    events = os.path.join(root, "lib", "resty", "loom", "events.lua")
+    if os.geteuid() != 0 or subprocess.run(
+            ["setpriv", "--reuid=nobody", "--regid=nogroup",
+             "--clear-groups", "test", "-r", events]).returncode == 0:
+        return root
+    if root not in _copies:
+        parent = tempfile.mkdtemp(prefix="loom-checkout-")
+        atexit.register(shutil.rmtree, parent, True)
+        os.chmod(parent, 0o755)
+        copy = os.path.join(parent, "resty-loom")
+        shutil.copytree(root, copy, symlinks=True,
+                        ignore=shutil.ignore_patterns(".git"))
+        _copies[root] = copy
+    return _copies[root]
 
 CONF = """\
 load_module {module_dir}/ndk_http_module.so;
