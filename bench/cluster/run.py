@@ -40,6 +40,9 @@ import time
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+import benchcli  # noqa: E402
 
 from loomtest.nginx import Nginx  # noqa: E402
 from clusterconf import Redis, lua_table  # noqa: E402
@@ -212,6 +215,10 @@ def run_mode(mode):
 
 
 def main():
+    benchcli.parser(__doc__).parse_args()
+    # per run: start-up, the events, two wrk cells and the settling
+    benchcli.announce(__doc__, REPEAT * len(MODES)
+                      * (SECS + 2 * WRK_SECS + 15), OUT)
     started = datetime.datetime.utcnow().isoformat() + "Z"
     runs = []
     for _ in range(REPEAT):

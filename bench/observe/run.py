@@ -13,7 +13,6 @@ make runtimes). The machine may be shared: the "noise" field gives the
 spread of the A cells and the load average.
 """
 
-import argparse
 import http.client
 import json
 import os
@@ -28,6 +27,9 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 from loomtest.gateway import Gateway  # noqa: E402
+
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import benchcli  # noqa: E402
 
 
 class Scraper(threading.Thread):
@@ -104,11 +106,16 @@ def wrk(port, duration, connections):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--pairs", type=int, default=20)
-    ap.add_argument("--duration", type=int, default=3)
-    ap.add_argument("--connections", type=int, default=32)
+    ap = benchcli.parser(__doc__)
+    ap.add_argument("--pairs", type=int, default=20,
+                    help="A/B pairs of cells (default 20)")
+    ap.add_argument("--duration", type=int, default=3,
+                    help="seconds of wrk per cell (default 3)")
+    ap.add_argument("--connections", type=int, default=32,
+                    help="wrk connections (default 32)")
     args = ap.parse_args()
+    benchcli.announce(__doc__, args.pairs * 2 * (args.duration + 1) + 15,
+                      os.path.join("bench", "results", "observe.json"))
 
     g = Gateway().start()
     load_before = os.getloadavg()
