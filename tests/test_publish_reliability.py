@@ -326,3 +326,32 @@ def test_shutdown_timeout_cutting_the_drain_loses_nothing_silently(
     failed = re.findall(r"flushed at exit: sent 0, failed (\d+)",
                         n.error_log())
     assert len(failed) == 2 and sum(int(f) for f in failed) == 5000
+
+
+# -- a callback that raises a table is logged readably ----------------------
+
+def test_callback_error_table_logged_as_json_with_traceback(nginx, fake):
+    n = nginx(workers=1, http="""
+        exit_worker_by_lua_block {
+            require("resty.loom.publish").exit_worker()
+        }
+        init_worker_by_lua_block {
+            PUB = require("resty.loom.publish").new({
+                project = "loom-proj", topic = "topic-1",
+                emulator_host = "%s", batch_max_delay = 0.01,
+                on_success = function(ids)
+                    error({ code = 7, why = "tabled" })
+                end,
+            })
+        }
+    """ % fake.host, server="""
+        location = /s { content_by_lua_block {
+            ngx.say(PUB:send("x")) } }
+    """)
+    n.allow_log(r"callback failed")
+    assert n.get("/s").text.strip() == "true"
+    n.wait_log(r"callback failed: ")
+    log = n.error_log()
+    assert '"why":"tabled"' in log and '"code":7' in log, log[-2000:]
+    assert "table: 0x" not in log
+    assert "stack traceback" in log

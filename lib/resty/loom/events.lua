@@ -13,6 +13,7 @@ local ring = require "resty.loom.events.ring"
 local broker = require "resty.loom.events.broker"
 local histogram = require "resty.loom.histogram"
 local yield = require("resty.loom.yield").yield
+local on_error = require("resty.loom.error_handler").handler
 
 local C = ffi.C
 local frame_seq = frame.seq
@@ -34,7 +35,6 @@ local xpcall = xpcall
 local tostring = tostring
 local tonumber = tonumber
 local setmetatable = setmetatable
-local traceback = debug.traceback
 local getinfo = debug.getinfo
 local str_sub = string.sub
 local str_byte = string.byte
@@ -395,7 +395,7 @@ local function report_gap(self, publisher, pid, missing)
               publisher, " (pid ", pid, ") missing; ", self.counters.gaps,
               " so far")
     for _, hook in ipairs(self.gap_hooks) do
-        local ok, err = xpcall(hook, traceback, publisher, missing)
+        local ok, err = xpcall(hook, on_error, publisher, missing)
         if not ok then
             log(ERR, "gap hook failed: ", err)
         end
@@ -434,7 +434,7 @@ end
 
 local function run_handler(self, sub, data, event, source, wid, pid)
     self.counters.handler_calls = self.counters.handler_calls + 1
-    local ok, err = xpcall(sub.fn, traceback, data, event, source, wid, pid)
+    local ok, err = xpcall(sub.fn, on_error, data, event, source, wid, pid)
     if not ok then
         self.counters.handler_errors = self.counters.handler_errors + 1
         log(ERR, "handler for source=", source, " event=", event,
@@ -450,7 +450,7 @@ local function handle_internal(self, event, data, wid)
         local fn = collectors[data.name]
         local ok, value
         if fn then
-            ok, value = xpcall(fn, traceback)
+            ok, value = xpcall(fn, on_error)
             if not ok then
                 log(ERR, "collector ", data.name, " failed: ", value)
                 value = nil

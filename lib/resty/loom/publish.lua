@@ -18,6 +18,7 @@ local auth = require "resty.loom.publish.auth"
 local histogram = require "resty.loom.histogram"
 local base64 = require "resty.loom.publish.base64"
 local json = require "resty.loom.publish.json"
+local error_handler = require("resty.loom.error_handler").handler
 
 local ngx_now = ngx.now
 local ngx_update_time = ngx.update_time
@@ -46,7 +47,6 @@ local type = type
 local pairs = pairs
 local next = next
 local xpcall = xpcall
-local traceback = debug.traceback
 local error = error
 local setmetatable = setmetatable
 local pcall = pcall
@@ -478,7 +478,7 @@ end
 
 
 local function call(self, fn, ...)
-    local ok, err = xpcall(fn, traceback, ...)
+    local ok, err = xpcall(fn, error_handler, ...)
     if not ok then
         ngx_log(ngx_ERR, LOG_TAG, self.name, ": callback failed: ", err)
     end
@@ -877,7 +877,7 @@ local function sender(self)
                     ngx_update_time()
                 end
             end
-        end, traceback)
+        end, error_handler)
         if ok then
             return
         end
