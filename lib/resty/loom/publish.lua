@@ -73,7 +73,7 @@ local RETRY_STATUS = {
     UNAVAILABLE = true, DEADLINE_EXCEEDED = true, RESOURCE_EXHAUSTED = true,
     INTERNAL = true, ABORTED = true, UNKNOWN = true, CANCELLED = true,
 }
--- HTTP codes worth retrying when the body says nothing usable
+-- HTTP codes worth retrying, whatever the body says
 local RETRY_HTTP = {
     [408] = true, [429] = true, [499] = true, [500] = true, [502] = true,
     [503] = true, [504] = true,
@@ -562,10 +562,12 @@ local function classify_response(res)
     if status == 401 or canon == "UNAUTHENTICATED" then
         return "auth", reason
     end
-    if type(canon) == "string" then
-        return RETRY_STATUS[canon] and "retry" or "fatal", reason
+    -- either saying "retry" is enough: a proxy's 502 or 503 may carry a
+    -- status word Pub/Sub never sends, and giving up would lose the batch
+    if RETRY_HTTP[status] or RETRY_STATUS[canon] then
+        return "retry", reason
     end
-    return RETRY_HTTP[status] and "retry" or "fatal", reason
+    return "fatal", reason
 end
 
 
