@@ -84,6 +84,7 @@ local publishers = {}
 -- every publisher of this worker that may hold messages, for exit_worker()
 local living = setmetatable({}, { __mode = "k" })
 local collector_registered = false
+local exit_guard            -- see guard_exit()
 
 
 local _M = { _VERSION = "0.1.0" }
@@ -1133,6 +1134,45 @@ local function register_collector()
 end
 
 
+-- A fast stop runs only exit_worker_by_lua*; nginx offers no way to see
+-- from Lua whether that hook is configured. What is certain is that the
+-- worker closes its Lua VM last of all (after the hook, after a graceful
+-- drain), running finalizers: one on a sentinel counts what every
+-- publisher still holds then, which is exactly what no report covered
+-- (publish.exit_worker() not called, or worker_shutdown_timeout cut the
+-- drain). ngx.* must not be called that late (ngx.log crashes the
+-- worker): the line goes to stderr, which nginx points at its error log.
+local function unreported_at_close()
+    local n = 0
+    local names = {}
+    for p in pairs(living) do
+        local held = p.queued_messages + p.inflight_messages
+        if held > 0 then
+            n = n + held
+            names[#names + 1] = p.name
+        end
+    end
+    if n > 0 then
+        -- one write: the workers share the file
+        local pid = ngx.worker.pid()
+        io.stderr:write(concat({
+            os.date("%Y/%m/%d %H:%M:%S"), " [error] ", pid, "#", pid, ": ",
+            LOG_TAG, n, " messages lost at worker exit without a report (",
+            concat(names, ", "), "): call ",
+            "require(\"resty.loom.publish\").exit_worker() in ",
+            "exit_worker_by_lua_block\n" }))
+    end
+end
+
+
+local function guard_exit()
+    if not exit_guard then
+        exit_guard = newproxy(true)
+        getmetatable(exit_guard).__gc = unreported_at_close
+    end
+end
+
+
 -- every option new() takes
 local OPTIONS = {
     project = true, topic = true, credentials = true, endpoint = true,
@@ -1337,6 +1377,7 @@ function _M.new(opts)
     end
     publishers[self.name] = self
     living[self] = true
+    guard_exit()
     register_collector()
     return self
 end
