@@ -63,10 +63,20 @@ local MAX_ORDERING_KEY_BYTES = 1024
 local ENVELOPE = #'{"messages":[]}'
 local RECYCLE_BYTES = 2 * 1024 * 1024   -- keep batch buffers up to this
 local BODY_PIECE = 64 * 1024
+-- A new batch starts small and grows with what it takes: every ordering
+-- key has a batch of its own, and thousands of keys with a message or two
+-- each must cost what they hold (the buffer cap counts only messages)
+local BATCH_START_BYTES = 1024
+local BATCH_START_MESSAGES = 32
 local IDLE_WAIT = 2
 local EXIT_WATCH = 3600
 local GC_STEP_BYTES = 4 * 1024 * 1024     -- collector steps while draining
 local BACKLOG_BYTES = 16 * 1024 * 1024    -- a buffer this big is a backlog
+-- Every new connection takes about 1.5 KB (the cosocket's state, the
+-- light thread that resolves a name) from the pool of the timer the
+-- senders run in, given back only when that timer ends: the senders move
+-- to a fresh timer after this many requests.
+local RECYCLE_REQUESTS = 1000
 
 -- canonical statuses worth retrying (the body's error.status)
 local RETRY_STATUS = {
@@ -158,9 +168,9 @@ local function new_batch(self, q, now)
         buf = free[nfree]
         free[nfree] = nil
     else
-        buf = buf_new(65536)
+        buf = buf_new(BATCH_START_BYTES)
     end
-    local cap = self.batch_max_messages
+    local cap = min(self.batch_max_messages, BATCH_START_MESSAGES)
     local b = {
         q = q,
         buf = buf,
@@ -862,9 +872,19 @@ local function sender(self)
     while true do
         local ok, err = xpcall(function()
             while true do
+                if self.recycling then
+                    return
+                end
                 local b, wait = next_batch(self)
                 if b then
                     dispatch(self, b)
+                    if self.requests >= self.recycle_at
+                       and not self.exiting
+                    then
+                        self.recycling = true
+                        self.sema:post(self.concurrency)
+                        return
+                    end
                 else
                     if self.exiting then
                         if self.queued_messages == 0 then
@@ -896,17 +916,28 @@ local function run(premature, self)
         self.exiting = true
         self.exit_deadline = ngx_now() + self.flush_timeout
     end
-    local threads = {}
-    for i = 1, self.concurrency do
-        local t, err = thread_spawn(sender, self)
-        if not t then
-            ngx_log(ngx_ERR, LOG_TAG, "failed to spawn sender: ", err)
+    while true do
+        self.recycle_at = self.requests + RECYCLE_REQUESTS
+        local threads = {}
+        for i = 1, self.concurrency do
+            local t, err = thread_spawn(sender, self)
+            if not t then
+                ngx_log(ngx_ERR, LOG_TAG, "failed to spawn sender: ", err)
+                break
+            end
+            threads[i] = t
+        end
+        for i = 1, #threads do
+            thread_wait(threads[i])
+        end
+        if not self.recycling then
             break
         end
-        threads[i] = t
-    end
-    for i = 1, #threads do
-        thread_wait(threads[i])
+        self.recycling = false
+        -- (an exiting worker starts no timer: go on in this one)
+        if not self.exiting and timer_at(0, self.run_fn, self) then
+            return
+        end
     end
     if self.exiting then
         local left = self.queued_messages
@@ -1345,6 +1376,8 @@ function _M.new(opts)
         backlog = false,         -- draining a big buffer: see dispatch()
         garbage = 0,             -- bytes of body pieces not yet collected
         running = false,
+        recycling = false,       -- senders moving to a fresh timer
+        recycle_at = 0,          -- self.requests when they do
         exiting = false,
         exit_deadline = nil,
         closed = false,
