@@ -1265,7 +1265,9 @@ local function make_room(self, bytes, share, source, event)
     local opts = self.opts
     local policy = opts.overflow
     local waited = false
-    if policy == "drop_oldest" then
+    if policy == "drop_oldest" and share == 1 then
+        -- (not for a handler beyond its share: the oldest events are
+        -- mostly the requests' and timers', whose half it would take)
         local q = self.unsent_q
         while full(self, bytes, share) do
             local s, b = q:pop()
