@@ -110,7 +110,11 @@ def test_fast_stop_without_exit_hook_says_how_many_were_lost(nginx, fake):
     time.sleep(0.6)
     stop_fast(n)
     lines = UNREPORTED.findall(n.error_log())
-    assert {int(p) for p, _ in lines} == pids, n.error_log()[-2000:]
+    # (one line per worker that held messages: the sends may all have
+    # gone to one of them)
+    got = [int(p) for p, _ in lines]
+    assert got and len(got) == len(set(got)) and set(got) <= pids, \
+        n.error_log()[-2000:]
     lost = sum(int(c) for _, c in lines)
     # what the sink got plus what was declared lost covers every message
     # (a batch in flight at the stop may be in both)
