@@ -593,7 +593,9 @@ local function handler_loop(premature, self)
                 yield()
             end
         else
-            if worker_exiting() and not self.connected then
+            -- (only once the bus closed: until then events keep coming,
+            -- "current" ones even while the broker cannot be reached)
+            if self.stopping and not self.connected then
                 return
             end
             run = 0
