@@ -212,6 +212,25 @@ def test_handler_error_logged_with_site_and_delivery_goes_on(nginx):
     assert "stack traceback" in n.error_log()
 
 
+def test_handler_error_table_logged_as_json_with_traceback(nginx):
+    # error({...}) in a handler: the log shows the table, not "table: 0x"
+    n = nginx(workers=2, http=ec.http(extra_worker="""
+        local bus = require("resty.loom.events").get()
+        bus:subscribe("test", "e", function(data)
+            error({ code = 42, why = "tabled" })
+        end)
+    """), server=ec.SERVER)
+    n.allow_log(r"tabled")
+    ec.wait_ready(n)
+    assert n.get("/ev/pub?target=all&n=2").json()["ok"] == 2
+    n.wait_log(r"tabled", count=4)
+    lines = [x for x in n.error_log().splitlines() if "tabled" in x]
+    assert len(lines) == 4
+    assert all('"why":"tabled"' in x and '"code":42' in x for x in lines)
+    assert "table: 0x" not in n.error_log()
+    assert "stack traceback" in n.error_log()
+
+
 def test_latency_and_stats_shape(nginx):
     n = start(nginx, workers=2)
     n.get("/ev/pub?target=all&n=200")

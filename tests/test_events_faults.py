@@ -1,6 +1,7 @@
 """Broker and subscriber crashes, reloads, accept_mutex: exact counts."""
 
 import json
+import os
 import re
 import signal
 import time
@@ -613,3 +614,85 @@ def test_quit_right_after_start_logs_no_error(nginx):
             n.allow_log(r".")
     assert len(bad) < 3, bad
 
+
+# worker 1 publishes to "all" and "current" every 10 ms and goes on for
+# 1.5 s after
+# its worker starts exiting; at exit it writes what was accepted and what
+# its handler ran to <prefix>/cur.json
+CURRENT_PUBLISHER = """
+    if ngx.worker.id() == 1 then
+        local bus = require("resty.loom.events").get()
+        CUR = { accepted = 0, handled = 0, refused = 0 }
+        bus:subscribe("cur", "e", function()
+            CUR.handled = CUR.handled + 1
+        end)
+        ngx.timer.at(0.2, function()
+            local stop_at
+            while true do
+                if ngx.worker.exiting() then
+                    stop_at = stop_at or ngx.now() + 1.5
+                    if ngx.now() >= stop_at then
+                        break
+                    end
+                end
+                -- (events for the others keep its bus up, waiting for
+                -- the broker to acknowledge them)
+                bus:publish("all", "cur", "others", 1)
+                if bus:publish("current", "cur", "e", 1) then
+                    CUR.accepted = CUR.accepted + 1
+                else
+                    CUR.refused = CUR.refused + 1
+                end
+                ngx.sleep(0.01)
+            end
+        end)
+    end
+"""
+
+CURRENT_EXIT = """
+    exit_worker_by_lua_block {
+        if CUR then
+            local f = assert(io.open(ngx.config.prefix() .. "/cur.json",
+                                     "w"))
+            f:write(require("cjson").encode(CUR))
+            f:close()
+        end
+    }
+"""
+
+
+def test_exiting_worker_that_lost_the_broker_runs_what_it_accepted(nginx):
+    """A worker exits (QUIT) and its broker dies at once (kill -9): the
+    events it publishes to itself meanwhile ("current") are accepted until
+    its bus closes; each accepted one is handled (the handlers stopped
+    when the connection did, leaving them in the inbox uncounted)."""
+    n = nginx(workers=2, http=CURRENT_EXIT + ec.http(
+        extra_worker=CURRENT_PUBLISHER), server=ec.SERVER)
+    n.allow_log(r"exited on signal 9")
+    n.allow_log(r"\((104: Connection reset by peer|32: Broken pipe)\)")
+    # (nginx removed the socket at QUIT: the reconnects fail)
+    n.allow_log(r"bus\.sock failed \(2: No such file or directory\)")
+    n.allow_log(r"not acknowledged by the broker")
+    ec.wait_ready(n)
+    time.sleep(0.5)
+    broker = ec.states(n)[0]["pid"]
+    master = n.master_pid
+    n.signal(signal.SIGQUIT)
+    time.sleep(0.05)
+    os.kill(broker, signal.SIGKILL)
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        try:
+            os.kill(master, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("nginx did not stop")
+    n.master_pid = None
+    with open(os.path.join(n.prefix, "cur.json")) as f:
+        cur = json.load(f)
+    # (the bus stays up, waiting for a broker, exit_timeout s after the
+    # last publish: nothing is refused)
+    assert cur["accepted"] > 60, cur
+    assert cur["handled"] == cur["accepted"], cur

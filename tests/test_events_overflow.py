@@ -492,3 +492,28 @@ def test_feedback_loop_does_not_starve_the_bus(nginx, everywhere):
     if not everywhere:
         assert len(got) == 20, sorted(got)
     assert "feedback" in n.error_log()
+
+
+def test_feedback_loop_with_drop_oldest_evicts_no_one_else(nginx):
+    """With overflow = "drop_oldest", a handler beyond its half of the
+    queue is refused like with "reject": its publishes must not drop the
+    oldest events of the queue (those of requests and timers) to make
+    room for a feedback loop."""
+    n = nginx(workers=4, http="lua_shared_dict canary 1m;\n"
+              + ec.http('max_queue = 100, overflow = "drop_oldest"',
+                        extra_worker=LOOP % {"everywhere": "true"}),
+              server=LOOP_SERVER)
+    n.allow_log("feedback")
+    n.allow_log("handlers fill their half")
+    n.allow_log("dropping events for worker")
+    ec.wait_ready(n)
+    assert n.get("/ev/pub?target=all&source=loop&event=e&n=1").status == 200
+    time.sleep(1.5)
+    r = n.get("/ev/collect?name=loom.events&timeout=5", timeout=10)
+    assert r.status == 200, r.text
+    st = r.json()
+    assert sorted(st) == ["0", "1", "2", "3"], st
+    for w, s in st.items():
+        # the loop ran into its share everywhere, and took nobody's room
+        assert s["dropped"].get("handler share", 0) > 0, (w, s["dropped"])
+        assert s["dropped"].get("oldest", 0) == 0, (w, s["dropped"])

@@ -317,9 +317,17 @@ def test_parse_url_and_bad_options(nginx):
                              { host = "x", pool_size = 0/0 },
                              { host = "x", timeout = 1/0 },
                              { host = "x", connect_timeout = 0 },
+                             { host = "x", read_timeout = 1e8 },
+                             { host = "x", keepalive_timeout = 1e8 },
                              { host = "x", ssl_verify = "no" },
                              { host = "x", max_body = -1 } }) do
             ok, err = pcall(http.new, o)
+            out[#out + 1] = { ok, err }
+        end
+        -- a request's own timeout: refused at the call
+        local c = http.new({ host = "127.0.0.1", port = 1 })
+        for _, t in ipairs({ 0/0, 0, -1, 1/0, 1e8, "5" }) do
+            ok, err = pcall(c.request, c, "GET", "/", nil, nil, t)
             out[#out + 1] = { ok, err }
         end
         ngx.say(cjson.encode(out))
@@ -336,7 +344,9 @@ def test_parse_url_and_bad_options(nginx):
     want = ["opts.read_timout: unknown option", "opts.port must be",
             "opts.port must be", "opts.pool_size must be",
             "opts.timeout must be", "opts.connect_timeout must be",
+            "opts.read_timeout must be", "opts.keepalive_timeout must be",
             "opts.ssl_verify must be a boolean", "opts.max_body must be"]
+    want += ["timeout must be a number of seconds"] * 6
     for (ok_, err), text in zip(out[8:], want):
         assert ok_ is False and text in err, (err, text)
     assert len(out) == 8 + len(want)

@@ -100,6 +100,26 @@ def test_permanent_failures_reach_error_callback(nginx, fake, action,
     assert st["failed"] == 30 and st["sent"] == 5
 
 
+@pytest.mark.parametrize("action", [
+    # an HTTP status worth retrying with a canonical status Pub/Sub never
+    # sends (a proxy's or load balancer's own error body)
+    F.error(502, "BAD_GATEWAY"),
+    F.error(503, "SERVICE_UNAVAILABLE"),
+])
+def test_transient_http_status_retried_whatever_the_body(nginx, fake,
+                                                         action):
+    fake.script(action)
+    n = H.publisher(nginx, conf(fake), workers=1)
+    ok, _ = H.send(n, 30, "t")
+    assert ok == 30
+    assert fake.wait_messages(30) == 30
+    assert sorted(fake.datas()) == sorted(H.expected_datas(30, "t"))
+    st = H.wait_for(lambda: (lambda s: s if s["sent"] == 30 else None)(
+        n.get("/stats").json()))
+    assert st and st["failed"] == 0 and st["retried"] == 1, st
+    assert H.results(n)["err_msgs"] == 0
+
+
 def test_retry_deadline_reports(nginx, fake):
     fake.default = F.error(503, "UNAVAILABLE")
     n = H.publisher(nginx, conf(fake, retry_deadline=1), workers=1)

@@ -64,3 +64,84 @@ def test_rss_follows_the_buffer(nginx):
         assert after - base < 32 * MiB
     finally:
         fake.close()
+
+
+def test_new_connections_do_not_grow_the_worker(nginx):
+    # Each new connection takes about 0.5 KB (the cosocket's state, and
+    # the light thread that resolves a host name: http.lua's timeout covers
+    # DNS) from the pool of the timer the senders run in, given back only
+    # when that timer ends; the senders' timer would live as long as the
+    # worker. A sink that closes every connection (keepalive_requests 1, as
+    # some proxies do) makes one connect per batch: 30,000 of them.
+    from loomtest.nginx import free_port
+    from pubsub.dns import FakeDNS
+    port = free_port()
+    dns = FakeDNS({"sink.test": "127.0.0.1"})
+    try:
+        n = H.publisher(nginx, {"endpoint": "http://sink.test:%d" % port,
+                                "credentials": {"type": "none"},
+                                "batch_max_messages": 1,
+                                "batch_max_delay": 0.01},
+                        workers=1,
+                        http="resolver %s ipv6=off;" % dns.addr,
+                        servers="""
+            server {
+                listen 127.0.0.1:%d;
+                keepalive_requests 1;
+                location / { return 200 '{"messageIds":["1"]}'; }
+            }""" % port, server="""
+            location = /gc { content_by_lua_block {
+                collectgarbage() collectgarbage() ngx.say("ok") } }""")
+        pid = n.worker_pids()[0]
+
+        def send_rounds(rounds, prefix):
+            # 1,000 at a time, drained before the next: the buffer's own
+            # peak is the same in every round
+            for r in range(rounds):
+                before = n.get("/stats").json()["sent"]
+                ok, _ = H.send(n, 1000, "%s%d" % (prefix, r))
+                assert ok == 1000
+                st = H.wait_for(lambda: (lambda s: s if s["sent"] == before
+                                         + 1000 else None)(
+                    n.get("/stats").json()), timeout=60)
+                assert st, n.get("/stats").json()
+            n.get("/gc")
+            return st
+
+        send_rounds(3, "warm")
+        base = rss(pid)
+        st = send_rounds(30, "many")
+        grown = rss(pid) - base
+        assert st["connections"] >= 33000 and st["failed"] == 0, st
+        print("30,000 connections: RSS grew %.1f MiB" % (grown / MiB))
+        assert grown < 4 * MiB, grown
+    finally:
+        dns.close()
+
+
+def test_many_ordering_keys_cost_what_they_hold(nginx):
+    # every ordering key has its own batch: 4,000 keys with one 100-byte
+    # message each hold 0.6 MB of messages, and must not reserve a
+    # batch-sized buffer each (64 KiB apiece: 250 MiB, four times the
+    # default buffer cap, which counts only the messages)
+    fake = FakePubSub()
+    try:
+        fake.default = ("hang", 30)
+        n = H.publisher(nginx, {"emulator_host": fake.host,
+                                "batch_max_delay": 60, "flush_timeout": 0.5,
+                                "timeout": 1},
+                        workers=1)
+        n.allow_log(r"messages not delivered|failed to read response")
+        pid = n.worker_pids()[0]
+        n.get("/stats")
+        base = rss(pid)
+        keys = ["k%d" % i for i in range(4000)]
+        ok, _ = H.send(n, 4000, "ok", size=100, keys=keys, per_request=4000)
+        assert ok == 4000
+        st = n.get("/stats").json()
+        assert st["buffered_messages"] == 4000, st
+        grown = rss(pid) - base
+        print("ordering keys: RSS grew %.1f MiB" % (grown / MiB))
+        assert grown < 32 * MiB, grown
+    finally:
+        fake.close()

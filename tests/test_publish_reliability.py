@@ -91,6 +91,49 @@ def test_fast_stop_reports_every_buffered_message(nginx, fake, tmp_path):
     assert 1 <= len(left) <= 2 and sum(left) == len(rep), log[-2000:]
 
 
+UNREPORTED = re.compile(r"\[error\] (\d+)#\d+: \[loom\.publish\] (\d+) "
+                        r"messages lost at worker exit without a report "
+                        r"\(loom-proj/topic-1\): call .*exit_worker\(\)")
+
+
+def test_fast_stop_without_exit_hook_says_how_many_were_lost(nginx, fake):
+    # no exit_worker_by_lua: nothing can report the buffer on a fast stop,
+    # but the loss is not silent: one line per worker with its count
+    fake.default = ("slow", 0.5)
+    n = H.publisher(nginx, {"emulator_host": fake.host,
+                            "batch_max_delay": 60, "concurrency": 2},
+                    workers=2, exit_hook=False)
+    n.allow_log(UNREPORTED.pattern)
+    pids = set(n.worker_pids())
+    ok, _ = H.send(n, 30000, "nh", size=100, per_request=1000)
+    assert ok == 30000
+    time.sleep(0.6)
+    stop_fast(n)
+    lines = UNREPORTED.findall(n.error_log())
+    # (one line per worker that held messages: the sends may all have
+    # gone to one of them)
+    got = [int(p) for p, _ in lines]
+    assert got and len(got) == len(set(got)) and set(got) <= pids, \
+        n.error_log()[-2000:]
+    lost = sum(int(c) for _, c in lines)
+    # what the sink got plus what was declared lost covers every message
+    # (a batch in flight at the stop may be in both)
+    assert 0 < lost <= 30000
+    assert lost + fake.message_count >= 30000
+
+
+def test_quit_without_exit_hook_reports_nothing_twice(nginx, fake):
+    # a graceful exit drains (or reports) by itself: no "lost" line
+    n = H.publisher(nginx, {"emulator_host": fake.host,
+                            "batch_max_delay": 60}, workers=2,
+                    exit_hook=False)
+    ok, _ = H.send(n, 3000, "nq", per_request=1000)
+    assert ok == 3000
+    n.quit()
+    assert fake.message_count == 3000
+    assert "messages lost at worker exit" not in n.error_log()
+
+
 # -- item: options refused before anything is made -------------------------
 
 NUMBERS = ["timeout", "concurrency", "batch_max_messages", "batch_max_bytes",
@@ -326,3 +369,32 @@ def test_shutdown_timeout_cutting_the_drain_loses_nothing_silently(
     failed = re.findall(r"flushed at exit: sent 0, failed (\d+)",
                         n.error_log())
     assert len(failed) == 2 and sum(int(f) for f in failed) == 5000
+
+
+# -- a callback that raises a table is logged readably ----------------------
+
+def test_callback_error_table_logged_as_json_with_traceback(nginx, fake):
+    n = nginx(workers=1, http="""
+        exit_worker_by_lua_block {
+            require("resty.loom.publish").exit_worker()
+        }
+        init_worker_by_lua_block {
+            PUB = require("resty.loom.publish").new({
+                project = "loom-proj", topic = "topic-1",
+                emulator_host = "%s", batch_max_delay = 0.01,
+                on_success = function(ids)
+                    error({ code = 7, why = "tabled" })
+                end,
+            })
+        }
+    """ % fake.host, server="""
+        location = /s { content_by_lua_block {
+            ngx.say(PUB:send("x")) } }
+    """)
+    n.allow_log(r"callback failed")
+    assert n.get("/s").text.strip() == "true"
+    n.wait_log(r"callback failed: ")
+    log = n.error_log()
+    assert '"why":"tabled"' in log and '"code":7' in log, log[-2000:]
+    assert "table: 0x" not in log
+    assert "stack traceback" in log

@@ -19,7 +19,14 @@ location = /stats_all { content_by_lua_block {
 """
 
 
-def publisher(nginx, conf, workers=2, http="", server="", **kw):
+EXIT_HOOK = """
+        exit_worker_by_lua_block {
+            require("resty.loom.publish").exit_worker()
+        }"""
+
+
+def publisher(nginx, conf, workers=2, http="", server="", exit_hook=True,
+              **kw):
     conf = dict(conf)
     conf.setdefault("project", "loom-proj")
     conf.setdefault("topic", "topic-1")
@@ -32,10 +39,9 @@ def publisher(nginx, conf, workers=2, http="", server="", **kw):
         init_worker_by_lua_block {
             require("publish_helper").init_worker([==[%s]==])
         }
-        exit_worker_by_lua_block {
-            require("resty.loom.publish").exit_worker()
-        }
-    """ % (http, blob), server=SERVER + server, **kw)
+        %s
+    """ % (http, blob, EXIT_HOOK if exit_hook else ""),
+        server=SERVER + server, **kw)
     return n
 
 

@@ -13,6 +13,7 @@ local ring = require "resty.loom.events.ring"
 local broker = require "resty.loom.events.broker"
 local histogram = require "resty.loom.histogram"
 local yield = require("resty.loom.yield").yield
+local on_error = require("resty.loom.error_handler").handler
 
 local unique_target = broker.unique_target
 
@@ -36,7 +37,6 @@ local xpcall = xpcall
 local tostring = tostring
 local tonumber = tonumber
 local setmetatable = setmetatable
-local traceback = debug.traceback
 local getinfo = debug.getinfo
 local str_sub = string.sub
 local str_byte = string.byte
@@ -405,7 +405,7 @@ local function report_gap(self, publisher, pid, missing)
               publisher, " (pid ", pid, ") missing; ", self.counters.gaps,
               " so far")
     for _, hook in ipairs(self.gap_hooks) do
-        local ok, err = xpcall(hook, traceback, publisher, missing)
+        local ok, err = xpcall(hook, on_error, publisher, missing)
         if not ok then
             log(ERR, "gap hook failed: ", err)
         end
@@ -492,7 +492,7 @@ end
 
 local function run_handler(self, sub, data, event, source, wid, pid)
     self.counters.handler_calls = self.counters.handler_calls + 1
-    local ok, err = xpcall(sub.fn, traceback, data, event, source, wid, pid)
+    local ok, err = xpcall(sub.fn, on_error, data, event, source, wid, pid)
     if not ok then
         self.counters.handler_errors = self.counters.handler_errors + 1
         log(ERR, "handler for source=", source, " event=", event,
@@ -508,7 +508,7 @@ local function handle_internal(self, event, data, wid)
         local fn = collectors[data.name]
         local ok, value
         if fn then
-            ok, value = xpcall(fn, traceback)
+            ok, value = xpcall(fn, on_error)
             if not ok then
                 log(ERR, "collector ", data.name, " failed: ", value)
                 value = nil
@@ -651,7 +651,9 @@ local function handler_loop(premature, self)
                 yield()
             end
         else
-            if worker_exiting() and not self.connected then
+            -- (only once the bus closed: until then events keep coming,
+            -- "current" ones even while the broker cannot be reached)
+            if self.stopping and not self.connected then
                 return
             end
             run = 0
@@ -1337,7 +1339,9 @@ local function make_room(self, bytes, share, source, event)
     local opts = self.opts
     local policy = opts.overflow
     local waited = false
-    if policy == "drop_oldest" then
+    if policy == "drop_oldest" and share == 1 then
+        -- (not for a handler beyond its share: the oldest events are
+        -- mostly the requests' and timers', whose half it would take)
         local q = self.unsent_q
         while full(self, bytes, share) do
             local s, b = q:pop()

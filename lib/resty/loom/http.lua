@@ -31,6 +31,8 @@ local pcall = pcall
 local DEFAULT_PORTS = { http = 80, https = 443 }
 local MAX_HEADER_LINES = 200
 local DEFAULT_MAX_BODY = 64 * 1024 * 1024
+-- nginx takes socket timeouts up to 2^31 ms (24 days) and raises beyond
+local MAX_SECONDS = 86400
 local OPTIONS = {
     url = true, scheme = true, host = true, port = true, ssl_verify = true,
     server_name = true, connect_timeout = true, send_timeout = true,
@@ -122,9 +124,9 @@ function _M.new(opts)
         if v == nil then
             return default
         end
-        if type(v) ~= "number" or not (v > 0 and v < 1e9) then
-            error("opts." .. name .. " must be a number of seconds above 0",
-                  3)
+        if type(v) ~= "number" or not (v > 0 and v <= MAX_SECONDS) then
+            error("opts." .. name .. " must be a number of seconds above 0 "
+                  .. "and at most " .. MAX_SECONDS, 3)
         end
         return v
     end
@@ -510,6 +512,12 @@ end
 -- A request on a reused keep-alive connection that the server had already
 -- closed (nothing received back) is sent again once on a new connection.
 function _M.request(self, method, path, headers, body, timeout)
+    if timeout ~= nil and (type(timeout) ~= "number"
+                           or not (timeout > 0 and timeout <= MAX_SECONDS))
+    then
+        error("timeout must be a number of seconds above 0 and at most "
+              .. MAX_SECONDS, 2)
+    end
     ngx_update_time()
     local deadline = ngx_now() + (timeout or self.timeout)
     local head = build(self, method, path or "/", headers, body)

@@ -18,6 +18,7 @@ local auth = require "resty.loom.publish.auth"
 local histogram = require "resty.loom.histogram"
 local base64 = require "resty.loom.publish.base64"
 local json = require "resty.loom.publish.json"
+local error_handler = require("resty.loom.error_handler").handler
 
 local ngx_now = ngx.now
 local ngx_update_time = ngx.update_time
@@ -46,7 +47,6 @@ local type = type
 local pairs = pairs
 local next = next
 local xpcall = xpcall
-local traceback = debug.traceback
 local error = error
 local setmetatable = setmetatable
 local pcall = pcall
@@ -63,17 +63,27 @@ local MAX_ORDERING_KEY_BYTES = 1024
 local ENVELOPE = #'{"messages":[]}'
 local RECYCLE_BYTES = 2 * 1024 * 1024   -- keep batch buffers up to this
 local BODY_PIECE = 64 * 1024
+-- A new batch starts small and grows with what it takes: every ordering
+-- key has a batch of its own, and thousands of keys with a message or two
+-- each must cost what they hold (the buffer cap counts only messages)
+local BATCH_START_BYTES = 1024
+local BATCH_START_MESSAGES = 32
 local IDLE_WAIT = 2
 local EXIT_WATCH = 3600
 local GC_STEP_BYTES = 4 * 1024 * 1024     -- collector steps while draining
 local BACKLOG_BYTES = 16 * 1024 * 1024    -- a buffer this big is a backlog
+-- Every new connection takes about 1.5 KB (the cosocket's state, the
+-- light thread that resolves a name) from the pool of the timer the
+-- senders run in, given back only when that timer ends: the senders move
+-- to a fresh timer after this many requests.
+local RECYCLE_REQUESTS = 1000
 
 -- canonical statuses worth retrying (the body's error.status)
 local RETRY_STATUS = {
     UNAVAILABLE = true, DEADLINE_EXCEEDED = true, RESOURCE_EXHAUSTED = true,
     INTERNAL = true, ABORTED = true, UNKNOWN = true, CANCELLED = true,
 }
--- HTTP codes worth retrying when the body says nothing usable
+-- HTTP codes worth retrying, whatever the body says
 local RETRY_HTTP = {
     [408] = true, [429] = true, [499] = true, [500] = true, [502] = true,
     [503] = true, [504] = true,
@@ -84,6 +94,7 @@ local publishers = {}
 -- every publisher of this worker that may hold messages, for exit_worker()
 local living = setmetatable({}, { __mode = "k" })
 local collector_registered = false
+local exit_guard            -- see guard_exit()
 
 
 local _M = { _VERSION = "0.1.0" }
@@ -157,9 +168,9 @@ local function new_batch(self, q, now)
         buf = free[nfree]
         free[nfree] = nil
     else
-        buf = buf_new(65536)
+        buf = buf_new(BATCH_START_BYTES)
     end
-    local cap = self.batch_max_messages
+    local cap = min(self.batch_max_messages, BATCH_START_MESSAGES)
     local b = {
         q = q,
         buf = buf,
@@ -478,7 +489,7 @@ end
 
 
 local function call(self, fn, ...)
-    local ok, err = xpcall(fn, traceback, ...)
+    local ok, err = xpcall(fn, error_handler, ...)
     if not ok then
         ngx_log(ngx_ERR, LOG_TAG, self.name, ": callback failed: ", err)
     end
@@ -562,10 +573,12 @@ local function classify_response(res)
     if status == 401 or canon == "UNAUTHENTICATED" then
         return "auth", reason
     end
-    if type(canon) == "string" then
-        return RETRY_STATUS[canon] and "retry" or "fatal", reason
+    -- either saying "retry" is enough: a proxy's 502 or 503 may carry a
+    -- status word Pub/Sub never sends, and giving up would lose the batch
+    if RETRY_HTTP[status] or RETRY_STATUS[canon] then
+        return "retry", reason
     end
-    return RETRY_HTTP[status] and "retry" or "fatal", reason
+    return "fatal", reason
 end
 
 
@@ -859,9 +872,19 @@ local function sender(self)
     while true do
         local ok, err = xpcall(function()
             while true do
+                if self.recycling then
+                    return
+                end
                 local b, wait = next_batch(self)
                 if b then
                     dispatch(self, b)
+                    if self.requests >= self.recycle_at
+                       and not self.exiting
+                    then
+                        self.recycling = true
+                        self.sema:post(self.concurrency)
+                        return
+                    end
                 else
                     if self.exiting then
                         if self.queued_messages == 0 then
@@ -877,7 +900,7 @@ local function sender(self)
                     ngx_update_time()
                 end
             end
-        end, traceback)
+        end, error_handler)
         if ok then
             return
         end
@@ -893,17 +916,28 @@ local function run(premature, self)
         self.exiting = true
         self.exit_deadline = ngx_now() + self.flush_timeout
     end
-    local threads = {}
-    for i = 1, self.concurrency do
-        local t, err = thread_spawn(sender, self)
-        if not t then
-            ngx_log(ngx_ERR, LOG_TAG, "failed to spawn sender: ", err)
+    while true do
+        self.recycle_at = self.requests + RECYCLE_REQUESTS
+        local threads = {}
+        for i = 1, self.concurrency do
+            local t, err = thread_spawn(sender, self)
+            if not t then
+                ngx_log(ngx_ERR, LOG_TAG, "failed to spawn sender: ", err)
+                break
+            end
+            threads[i] = t
+        end
+        for i = 1, #threads do
+            thread_wait(threads[i])
+        end
+        if not self.recycling then
             break
         end
-        threads[i] = t
-    end
-    for i = 1, #threads do
-        thread_wait(threads[i])
+        self.recycling = false
+        -- (an exiting worker starts no timer: go on in this one)
+        if not self.exiting and timer_at(0, self.run_fn, self) then
+            return
+        end
     end
     if self.exiting then
         local left = self.queued_messages
@@ -1131,6 +1165,45 @@ local function register_collector()
 end
 
 
+-- A fast stop runs only exit_worker_by_lua*; nginx offers no way to see
+-- from Lua whether that hook is configured. What is certain is that the
+-- worker closes its Lua VM last of all (after the hook, after a graceful
+-- drain), running finalizers: one on a sentinel counts what every
+-- publisher still holds then, which is exactly what no report covered
+-- (publish.exit_worker() not called, or worker_shutdown_timeout cut the
+-- drain). ngx.* must not be called that late (ngx.log crashes the
+-- worker): the line goes to stderr, which nginx points at its error log.
+local function unreported_at_close()
+    local n = 0
+    local names = {}
+    for p in pairs(living) do
+        local held = p.queued_messages + p.inflight_messages
+        if held > 0 then
+            n = n + held
+            names[#names + 1] = p.name
+        end
+    end
+    if n > 0 then
+        -- one write: the workers share the file
+        local pid = ngx.worker.pid()
+        io.stderr:write(concat({
+            os.date("%Y/%m/%d %H:%M:%S"), " [error] ", pid, "#", pid, ": ",
+            LOG_TAG, n, " messages lost at worker exit without a report (",
+            concat(names, ", "), "): call ",
+            "require(\"resty.loom.publish\").exit_worker() in ",
+            "exit_worker_by_lua_block\n" }))
+    end
+end
+
+
+local function guard_exit()
+    if not exit_guard then
+        exit_guard = newproxy(true)
+        getmetatable(exit_guard).__gc = unreported_at_close
+    end
+end
+
+
 -- every option new() takes
 local OPTIONS = {
     project = true, topic = true, credentials = true, endpoint = true,
@@ -1303,6 +1376,8 @@ function _M.new(opts)
         backlog = false,         -- draining a big buffer: see dispatch()
         garbage = 0,             -- bytes of body pieces not yet collected
         running = false,
+        recycling = false,       -- senders moving to a fresh timer
+        recycle_at = 0,          -- self.requests when they do
         exiting = false,
         exit_deadline = nil,
         closed = false,
@@ -1335,6 +1410,7 @@ function _M.new(opts)
     end
     publishers[self.name] = self
     living[self] = true
+    guard_exit()
     register_collector()
     return self
 end
