@@ -13,7 +13,7 @@
 
 
 /* the release; every Lua module's _VERSION is the same */
-#define NGX_LOOM_VERSION     "0.1.0"
+#define NGX_LOOM_VERSION     "0.2.0"
 
 
 /* return codes of FFI entry points, the same values lua-resty-core uses */

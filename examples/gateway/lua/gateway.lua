@@ -8,7 +8,7 @@ local AREAS = { "events", "timer", "publish", "offload", "watchdog",
 
 local loaded = {}
 
-local _M = { _VERSION = "0.1.0" }
+local _M = { _VERSION = "0.2.0" }
 
 
 function _M.init()

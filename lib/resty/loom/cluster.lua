@@ -102,7 +102,7 @@ local LIMITS = {
 }
 
 
-local _M = { _VERSION = "0.1.0" }
+local _M = { _VERSION = "0.2.0" }
 local mt = { __index = _M }
 
 local last_made

@@ -31,7 +31,7 @@ local function describe(err)
 end
 
 
-local _M = { _VERSION = "0.1.0" }
+local _M = { _VERSION = "0.2.0" }
 
 
 -- (level 2: the traceback starts below this handler)

@@ -176,7 +176,7 @@ local function count(t, key, n)
 end
 
 
-local _M = { _VERSION = "0.1.0" }
+local _M = { _VERSION = "0.2.0" }
 local mt = { __index = _M }
 
 local default_bus

@@ -68,7 +68,7 @@ local XML_ESC = { ["&"] = "&amp;", ["<"] = "&lt;", [">"] = "&gt;",
                   ['"'] = "&quot;", ["'"] = "&#39;" }
 
 
-local _M = { _VERSION = "0.1.0" }
+local _M = { _VERSION = "0.2.0" }
 
 
 local function xml(s)

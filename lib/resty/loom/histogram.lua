@@ -16,7 +16,7 @@ local NBUCKETS = 256       -- up to MIN * 1.09^256, about 3.8e3 s
 local LOG_GROWTH = log(GROWTH)
 
 
-local _M = { _VERSION = "0.1.0" }
+local _M = { _VERSION = "0.2.0" }
 local mt = { __index = _M }
 
 

@@ -41,7 +41,7 @@ local OPTIONS = {
 }
 
 
-local _M = { _VERSION = "0.1.0" }
+local _M = { _VERSION = "0.2.0" }
 local mt = { __index = _M }
 
 

@@ -83,7 +83,7 @@ local function b64url(s)
 end
 
 
-local _M = { _VERSION = "0.1.0" }
+local _M = { _VERSION = "0.2.0" }
 local mt = { __index = _M }
 
 _M.base64url = b64url

@@ -215,7 +215,7 @@ local function check_number(opts, key, spec)
 end
 
 
-local _M = { _VERSION = "0.1.0" }
+local _M = { _VERSION = "0.2.0" }
 local mt = { __index = _M }
 
 

@@ -97,7 +97,7 @@ local collector_registered = false
 local exit_guard            -- see guard_exit()
 
 
-local _M = { _VERSION = "0.1.0" }
+local _M = { _VERSION = "0.2.0" }
 local mt = { __index = _M }
 
 

@@ -44,7 +44,7 @@ local LH_MIN, LH_GROWTH, LH_LAST = 1e-6, 1.09, 255
 local TH_GROWTH, TH_LAST = 1.2, 119
 
 
-local _M = { _VERSION = "0.1.0" }
+local _M = { _VERSION = "0.2.0" }
 
 local started = ngx_now()
 

@@ -109,7 +109,7 @@ local counters = {
 
 
 local _M = {
-    _VERSION = "0.1.0",
+    _VERSION = "0.2.0",
     native = {
         at = native_at,
         every = native_every,

@@ -188,7 +188,7 @@ local DEFAULTS = {
 }
 
 
-local _M = { _VERSION = "0.1.0" }
+local _M = { _VERSION = "0.2.0" }
 
 
 local state = {

@@ -30,7 +30,7 @@ local native = pcall(function() return C.ngx_loom_ffi_yield end)
 local sema          -- created in the worker, on first use
 
 
-local _M = { _VERSION = "0.1.0" }
+local _M = { _VERSION = "0.2.0" }
 
 
 -- Yields to the event loop for one turn. Call it where ngx.sleep is

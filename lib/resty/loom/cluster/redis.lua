@@ -25,7 +25,7 @@ local REDIS_KEYS = {
 }
 
 
-local _M = { _VERSION = "0.1.0" }
+local _M = { _VERSION = "0.2.0" }
 
 
 -- level: of the user's call, as seen from the caller of these two

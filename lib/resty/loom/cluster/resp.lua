@@ -21,7 +21,7 @@ local READ = 65536
 local DOLLAR, STAR, COLON, PLUS, MINUS = 36, 42, 58, 43, 45
 
 
-local _M = { _VERSION = "0.1.0" }
+local _M = { _VERSION = "0.2.0" }
 
 
 -- a reader: the socket, what was read and not parsed yet, the position

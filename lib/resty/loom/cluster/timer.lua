@@ -75,7 +75,7 @@ return tonumber(redis.call('GET', KEYS[1]) or 0) == tonumber(ARGV[1])
 ]]
 
 
-local _M = { _VERSION = "0.1.0" }
+local _M = { _VERSION = "0.2.0" }
 
 local by_name = {}      -- name -> timer state, for fence()
 

@@ -18,7 +18,7 @@ local ERR = ngx.ERR
 local WARN = ngx.WARN
 
 
-local _M = { _VERSION = "0.1.0" }
+local _M = { _VERSION = "0.2.0" }
 
 -- "current" events travel by reference inside the worker, so a metatable
 -- marks them

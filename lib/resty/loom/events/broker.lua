@@ -71,7 +71,7 @@ unsigned int geteuid(void);
 ]]
 
 
-local _M = { _VERSION = "0.1.0" }
+local _M = { _VERSION = "0.2.0" }
 
 
 local function log(level, ...)

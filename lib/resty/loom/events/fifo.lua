@@ -10,7 +10,7 @@ local new_tab = require "table.new"
 local MIN_CAP = 64
 
 
-local _M = { _VERSION = "0.1.0" }
+local _M = { _VERSION = "0.2.0" }
 local mt = { __index = _M }
 
 

@@ -107,7 +107,7 @@ local body = buf_new(4096)
 
 
 local _M = {
-    _VERSION = "0.1.0",
+    _VERSION = "0.2.0",
     VERSION = VERSION,
     FRAME_SIZE = FRAME_SIZE,
     TRAILER_SIZE = TRAILER_SIZE,

@@ -12,7 +12,7 @@ local W = 6              -- values per record
 local MIN_CAP = 256      -- records
 
 
-local _M = { _VERSION = "0.1.0" }
+local _M = { _VERSION = "0.2.0" }
 local mt = { __index = _M }
 
 

@@ -46,7 +46,7 @@ local REFUSED_WAIT = 5
 local registry = {}
 
 
-local _M = { _VERSION = "0.1.0" }
+local _M = { _VERSION = "0.2.0" }
 local mt = { __index = _M }
 
 

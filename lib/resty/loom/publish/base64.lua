@@ -38,7 +38,7 @@ do
 end
 
 
-local _M = { _VERSION = "0.1.0" }
+local _M = { _VERSION = "0.2.0" }
 
 
 -- the encoded length of n bytes

@@ -16,7 +16,7 @@ local pcall = pcall
 local NOT_PLAIN = "[^]-~ -!#-[]"
 
 
-local _M = { _VERSION = "0.1.0" }
+local _M = { _VERSION = "0.2.0" }
 
 
 -- byte by byte (a loop: a trace that reaches it ends, so the common, plain

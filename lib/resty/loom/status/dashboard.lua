@@ -6,7 +6,7 @@
 -- luacheck: no max line length
 
 return {
-    _VERSION = "0.1.0",
+    _VERSION = "0.2.0",
     html = [==[
 <!DOCTYPE html>
 <!-- resty.loom.status dashboard: polls /loom/status every 2 s; Chart.js

@@ -12,7 +12,7 @@ local LE = { 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01,
 local NLE = #LE
 
 
-local _M = { _VERSION = "0.1.0", LE = LE }
+local _M = { _VERSION = "0.2.0", LE = LE }
 
 
 -- count(i) is source bucket i's count for i in first..last, bucket i

@@ -154,7 +154,7 @@ local FAMILIES = {
       "publishers" },
 }
 
-local _M = { _VERSION = "0.1.0" }
+local _M = { _VERSION = "0.2.0" }
 
 
 local function num(v)

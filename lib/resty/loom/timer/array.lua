@@ -44,7 +44,7 @@ local USE_MAP = ffi.os == "Linux"
          or ffi.arch == "arm")
 
 
-local _M = { _VERSION = "0.1.0", mapped = USE_MAP }
+local _M = { _VERSION = "0.2.0", mapped = USE_MAP }
 
 
 local function round_up(bytes)

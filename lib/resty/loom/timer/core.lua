@@ -102,7 +102,7 @@ local MANY_ARGS = 255       -- job.nargs for 255 or more: the count is argv.n
 
 
 local _M = {
-    _VERSION = "0.1.0",
+    _VERSION = "0.2.0",
     MAX_TIMERS = ID_SPAN - 1,
 }
 local mt = { __index = _M }

@@ -49,7 +49,7 @@ end
 local TOP = SPAN[LEVELS] - 1
 
 
-local _M = { _VERSION = "0.1.0", LEVELS = LEVELS, SLOTS = SLOTS }
+local _M = { _VERSION = "0.2.0", LEVELS = LEVELS, SLOTS = SLOTS }
 local mt = { __index = _M }
 
 

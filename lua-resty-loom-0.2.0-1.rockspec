@@ -4,10 +4,10 @@
 -- checkout does (or install the Debian package, `make deb`).
 rockspec_format = "3.0"
 package = "lua-resty-loom"
-version = "0.1.0-1"
+version = "0.2.0-1"
 source = {
    url = "git+https://github.com/resty-loom/lua-resty-loom.git",
-   tag = "v0.1.0",
+   tag = "v0.2.0",
 }
 description = {
    summary = "Inter-worker events, a timing wheel, native offload, an "
