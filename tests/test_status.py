@@ -4,6 +4,7 @@ shapes; nothing secret in the output."""
 
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -433,7 +434,17 @@ def test_gateway_loom_endpoints_loopback_only(gateway):
              "/loom/publish"]
     if os.path.exists("/usr/share/javascript/chart.js/chart.min.js"):
         paths.append("/loom/chart.js")      # Debian package libjs-chart.js
-    assert [get(p, "127.0.0.2") for p in paths] == [403] * len(paths)
+    # every /loom/ location the gateway ships, the demo that blocks a
+    # worker and the one that publishes a body included
+    shipped = set()
+    conf_d = os.path.join(ROOT, "examples", "gateway", "conf.d")
+    for name in os.listdir(conf_d):
+        with open(os.path.join(conf_d, name)) as f:
+            shipped.update(re.findall(r"^location = (/loom/\S*) \{",
+                                      f.read(), re.M))
+    assert set(paths) <= shipped and "/loom/demo/block" in shipped
+    assert {p: get(p, "127.0.0.2") for p in sorted(shipped)} == \
+        {p: 403 for p in sorted(shipped)}
     assert get("/", "127.0.0.2") == 200
     assert [get(p, "127.0.0.1") for p in paths] == [200] * len(paths)
     gateway.allow_log(r"access forbidden by rule")
