@@ -448,3 +448,66 @@ def test_gateway_loom_endpoints_loopback_only(gateway):
     assert get("/", "127.0.0.2") == 200
     assert [get(p, "127.0.0.1") for p in paths] == [200] * len(paths)
     gateway.allow_log(r"access forbidden by rule")
+
+
+MISUSE_LIB = os.path.join(ROOT, "runtimes", "c", "libloom_offload_misuse.so")
+
+
+@pytest.mark.skipif(not os.path.exists(MISUSE_LIB),
+                    reason="the C runtimes are not built (make runtimes)")
+def test_offload_losses_are_exported(nginx):
+    # every way an offload call or answer is lost shows in the JSON and as
+    # a counter an alert can fire on: rejected (queue full), late (an
+    # answer after its call gave up), misused (an answer the ABI refuses),
+    # reclaimed (a task never answered)
+    n = nginx(workers=1, http="""
+    init_worker_by_lua_block {
+        local offload = require "resty.loom.offload"
+        RT = assert(offload.load("%s", "", { threads = 1, queue = 1 }))
+        MIS = assert(offload.load("%s", "", { threads = 1, reclaim = 1 }))
+    }
+    """ % (OFFLOAD_LIB, MISUSE_LIB), server=SERVER + """
+    location = /lose {
+        content_by_lua_block {
+            local th = {}
+            for i = 1, 3 do
+                th[i] = ngx.thread.spawn(RT.call, RT, "stuck 300",
+                                         { timeout = 0.1 })
+            end
+            local errs = {}
+            for i = 1, 3 do
+                local _, _, err = ngx.thread.wait(th[i])
+                errs[#errs + 1] = err
+            end
+            table.sort(errs)
+            assert(MIS:call("twice"))
+            local _, err = MIS:call("never", { timeout = 0.1 })
+            errs[#errs + 1] = err
+            ngx.say(table.concat(errs, ","))
+        }
+    }
+    """)
+    n.allow_log(r"answer\(\) for a task the runtime does not hold")
+    n.allow_log(r"a task was not answered within 1000 ms")
+    assert n.get("/lose").text.strip() == \
+        "queue full,timeout,timeout,timeout"
+
+    def lost():
+        doc = status(n)
+        rts = doc["workers"][0]["offload"]["runtimes"]
+        c, m = rts["libloom_offload_c.so"], rts["libloom_offload_misuse.so"]
+        return doc if (c["rejected_total"], c["late_total"] >= 1,
+                       m["misused_total"], m["reclaimed_total"]) \
+            == (1, True, 1, 1) else None
+    doc = wait_for(lost)
+    assert doc, status(n)["workers"][0]["offload"]
+    m = n.get("/metrics").text
+    for fam, rt, v in [
+            ("rejected", "c", "1"), ("misused", "misuse", "1"),
+            ("reclaimed", "misuse", "1"), ("closed", "c", "0")]:
+        assert 'loom_offload_%s_total{worker="0",runtime=' \
+            '"libloom_offload_%s.so"} %s\n' % (fam, rt, v) in m, (fam, m)
+    assert re.search(r'loom_offload_late_total\{worker="0",runtime='
+                     r'"libloom_offload_c.so"\} [1-9]', m), m
+    assert doc["totals"]["offload"]["runtimes"]["libloom_offload_misuse.so"][
+        "misused_total"] == 1

@@ -141,6 +141,7 @@ local function map_events(bus)
             unique_suppressed_total = b.unique_suppressed,
             dropped_total = sum_kinds(b.dropped),
             slow_waits_total = b.slow_waits,
+            urgent_missed_total = b.urgent_missed,
             queue_events = qe,
             queue_bytes = qb,
         }
@@ -244,6 +245,8 @@ local function map_offload(offload)
             closed_total = r.closed,
             aborted_total = r.aborted,
             late_total = r.late,
+            reclaimed_total = r.reclaimed,
+            misused_total = r.misused,
             call_seconds = offload_hist(rt, "call"),
             queue_wait_seconds = offload_hist(rt, "wait"),
         }
