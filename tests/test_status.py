@@ -511,3 +511,38 @@ def test_offload_losses_are_exported(nginx):
                      r'"libloom_offload_c.so"\} [1-9]', m), m
     assert doc["totals"]["offload"]["runtimes"]["libloom_offload_misuse.so"][
         "misused_total"] == 1
+
+
+def test_event_drops_by_reason(nginx):
+    # each reason a drop is counted under is its own series, there at 0
+    # before the first drop (else increase() misses that first drop)
+    n = nginx(workers=2, http=http(), server=SERVER + """
+    location = /big {
+        content_by_lua_block {
+            local bus = require("resty.loom.events").get()
+            ngx.say(select(2, bus:publish("all", "t", "x",
+                                          string.rep("x", 2 * 1024 * 1024))))
+        }
+    }
+    """)
+    assert wait_for(lambda: all(not w.get("error")
+                                for w in status(n)["workers"]))
+    m = n.get("/metrics").text
+    for w in ("0", "1"):
+        for reason in ("queue full", "handler share", "closed", "exit"):
+            assert 'loom_events_dropped_total{worker="%s",reason="%s"} 0\n' \
+                % (w, reason) in m, m
+    assert 'loom_events_broker_dropped_total{worker="0",reason="worker ' \
+        'gone"} 0\n' in m
+    assert n.get("/big").text == "payload too large\n"
+    doc = status(n)
+    by = [w["events"]["dropped_by_reason"] for w in doc["workers"]]
+    assert sorted(b["payload too large"] for b in by) == [0, 1]
+    assert all(b["closed"] == 0 for b in by)
+    assert sum(w["events"]["dropped_total"] for w in doc["workers"]) == 1
+    assert doc["totals"]["events"]["dropped_by_reason"][
+        "payload too large"] == 1
+    m = n.get("/metrics").text
+    assert sorted(re.findall(r'loom_events_dropped_total\{worker="\d",'
+                             r'reason="payload too large"\} (\d+)', m)) \
+        == ["0", "1"]

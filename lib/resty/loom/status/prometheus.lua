@@ -13,15 +13,17 @@ local tostring = tostring
 local tonumber = tonumber
 local str_format = string.format
 local str_gsub = string.gsub
+local str_match = string.match
 local floor = math.floor
 local huge = math.huge
 local tbl_concat = table.concat
 local tbl_sort = table.sort
 
--- { module, field path, metric, type, help[, per] }: per names the table
--- of the module whose entries each get a label (PER_LABEL)
+-- { module, field path, metric, type, help[, per] }: per is the path of
+-- the module's table whose entries each get a label (PER_LABEL, by the
+-- table's name)
 local PER_LABEL = { runtimes = "runtime", publishers = "publisher",
-                    names = "name" }
+                    names = "name", dropped_by_reason = "reason" }
 
 local FAMILIES = {
     { nil, "up", "loom_worker_up", "gauge",
@@ -41,8 +43,8 @@ local FAMILIES = {
       "counter", "Event handler calls" },
     { "events", "handler_errors_total", "loom_events_handler_errors_total",
       "counter", "Event handlers that raised an error" },
-    { "events", "dropped_total", "loom_events_dropped_total", "counter",
-      "Events the worker dropped (queue full, oldest dropped, too large)" },
+    { "events", "", "loom_events_dropped_total", "counter",
+      "Events the worker dropped, by reason", "dropped_by_reason" },
     { "events", "gaps_total", "loom_events_gaps_total", "counter",
       "Events the worker never received (sequence gaps)" },
     { "events", "duplicates_total", "loom_events_duplicates_total",
@@ -59,8 +61,8 @@ local FAMILIES = {
       "Events received and waiting for their handlers" },
     { "events", "delivery_seconds", "loom_events_delivery_seconds",
       "histogram", "Publish to handler latency (sampled events)" },
-    { "events", "broker.dropped_total", "loom_events_broker_dropped_total",
-      "counter", "Events the broker dropped" },
+    { "events", "", "loom_events_broker_dropped_total", "counter",
+      "Events the broker dropped, by reason", "broker.dropped_by_reason" },
     { "events", "broker.rejected_total", "loom_events_broker_rejected_total",
       "counter", "Connections the broker refused" },
     { "events", "broker.urgent_missed_total",
@@ -262,8 +264,8 @@ function _M.render(doc)
             elseif type(w[module]) == "table" then
                 local m = w[module]
                 if per then
-                    local label = PER_LABEL[per]
-                    local set = m[per] or {}
+                    local label = PER_LABEL[str_match(per, "[^.]+$")]
+                    local set = get(m, per) or {}
                     for _, k in ipairs(sorted_keys(set)) do
                         emit(out, name, typ, wl .. "," .. label .. '="'
                              .. esc(k) .. '"', get(set[k], path))
