@@ -489,8 +489,11 @@ def test_offload_losses_are_exported(nginx):
     """)
     n.allow_log(r"answer\(\) for a task the runtime does not hold")
     n.allow_log(r"a task was not answered within 1000 ms")
-    assert n.get("/lose").text.strip() == \
-        "queue full,timeout,timeout,timeout"
+    # the first call runs; the others are queued or refused, depending on
+    # whether the thread took the first one yet
+    errs = n.get("/lose").text.strip().split(",")
+    full = errs.count("queue full")
+    assert full in (1, 2) and errs[full:] == ["timeout"] * (4 - full), errs
 
     def lost():
         doc = status(n)
@@ -498,12 +501,12 @@ def test_offload_losses_are_exported(nginx):
         c, m = rts["libloom_offload_c.so"], rts["libloom_offload_misuse.so"]
         return doc if (c["rejected_total"], c["late_total"] >= 1,
                        m["misused_total"], m["reclaimed_total"]) \
-            == (1, True, 1, 1) else None
+            == (full, True, 1, 1) else None
     doc = wait_for(lost)
     assert doc, status(n)["workers"][0]["offload"]
     m = n.get("/metrics").text
     for fam, rt, v in [
-            ("rejected", "c", "1"), ("misused", "misuse", "1"),
+            ("rejected", "c", str(full)), ("misused", "misuse", "1"),
             ("reclaimed", "misuse", "1"), ("closed", "c", "0")]:
         assert 'loom_offload_%s_total{worker="0",runtime=' \
             '"libloom_offload_%s.so"} %s\n' % (fam, rt, v) in m, (fam, m)
