@@ -549,3 +549,27 @@ def test_event_drops_by_reason(nginx):
     assert sorted(re.findall(r'loom_events_dropped_total\{worker="\d",'
                              r'reason="payload too large"\} (\d+)', m)) \
         == ["0", "1"]
+
+
+def test_gateway_module_endpoints_are_the_collectors_shape(gateway):
+    # /loom/events, /timers, /offload, /blocking, /publish: the /loom/status
+    # document cut to one module, not five shapes of their own
+    full = gateway.get("/loom/status").json()
+    assert [w["id"] for w in full["workers"]] == [0, 1]
+    for path, module in [("/loom/events", "events"),
+                         ("/loom/timers", "timers"),
+                         ("/loom/offload", "offload"),
+                         ("/loom/blocking", "watchdog"),
+                         ("/loom/publish", "publish")]:
+        doc = gateway.get(path).json()
+        assert sorted(doc) == sorted(full), path
+        assert doc["source"] == "events" and doc["nginx"] == full["nginx"]
+        assert sorted(doc["totals"]) == sorted(
+            m for m in full["totals"] if m == module), path
+        for w, fw in zip(doc["workers"], full["workers"]):
+            assert w["id"] == fw["id"] and w["pid"] == fw["pid"]
+            assert sorted(w) == sorted(k for k in fw if k in (
+                "id", "pid", "uptime_s", "error", module)), (path, w)
+            if module in w:
+                # the same fields as in /loom/status
+                assert sorted(w[module]) == sorted(fw[module]), path
