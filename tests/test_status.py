@@ -573,3 +573,27 @@ def test_gateway_module_endpoints_are_the_collectors_shape(gateway):
             if module in w:
                 # the same fields as in /loom/status
                 assert sorted(w[module]) == sorted(fw[module]), path
+
+
+def test_many_timer_names(nginx):
+    # the timer module keeps figures for up to 1000 names (its default
+    # max_names): every worker still answers, with the first 100 names
+    n = nginx(workers=2, http=http(worker="""
+        local timer = require "resty.loom.timer"
+        for i = 1, 1000 do
+            assert(timer.every({ interval = 0.5, name = ("job-%04d"):format(i) },
+                               function() end))
+        end
+    """), server=SERVER)
+    doc = wait_for(lambda: (lambda d: d if all(
+        not w.get("error") and w["timers"]["runs_total"] >= 1000
+        for w in d["workers"]) else None)(status(n, timeout=2)))
+    assert doc, status(n)
+    for w in doc["workers"]:
+        t = w["timers"]
+        assert sorted(t["names"]) == ["job-%04d" % i for i in range(1, 101)]
+        assert t["names_omitted"] == 900
+        assert t["names"]["job-0001"]["runs_total"] >= 1
+    m = n.get("/metrics").text
+    assert 'loom_timers_names_omitted{worker="1"} 900\n' in m
+    assert len(re.findall(r'^loom_timers_named_runs_total\{', m, re.M)) == 200

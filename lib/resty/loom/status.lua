@@ -33,6 +33,12 @@ local COLLECTOR = "loom.status"
 local PUBLISH_COLLECTOR = "loom.publish"
 local MODULES = { "events", "timers", "offload", "watchdog", "publish" }
 local REPORTS_KEPT = 8             -- stall reports per worker in a snapshot
+-- timer names with figures in a snapshot (the first ones in sort order,
+-- so the set stays the same from one scrape to the next): a name's
+-- figures are about 1.3 KB on the bus, and the timer module keeps up to
+-- 1000 names by default, which made a worker's answer larger than the
+-- bus takes (and the snapshot slow)
+local NAMES_KEPT = 100
 -- the reasons resty.loom.events counts its drops under (docs/events.md),
 -- shown at 0 before their first drop: a series that appears with its
 -- first drop hides that drop from increase(), and from the alerts on it
@@ -204,10 +210,17 @@ end
 local function map_timers(timer)
     local s = timer.stats({ raw = true })
     local t = s.totals or {}
-    -- per name (names are few and chosen by the code; sites can be many
-    -- and are in the flame graph)
+    -- per name (chosen by the code; sites can be many and are in the
+    -- flame graph)
+    local all = {}
+    for name in pairs(s.names or {}) do
+        all[#all + 1] = name
+    end
+    tbl_sort(all)
     local names = {}
-    for name, rec in pairs(s.names or {}) do
+    for i = 1, #all < NAMES_KEPT and #all or NAMES_KEPT do
+        local name = all[i]
+        local rec = s.names[name]
         names[name] = timer_figures({ rec }, {
             pending = rec.pending,
             running = rec.running,
@@ -233,6 +246,7 @@ local function map_timers(timer)
         premature_total = t.premature,
         dropped_total = t.dropped,
         names = names,
+        names_omitted = #all > NAMES_KEPT and #all - NAMES_KEPT or 0,
     })
 end
 

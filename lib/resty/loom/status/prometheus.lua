@@ -97,6 +97,8 @@ local FAMILIES = {
       "Timer callback run time" },
     { "timers", "lateness_seconds", "loom_timers_lateness_seconds",
       "histogram", "How late timers ran (sum estimated from buckets)" },
+    { "timers", "names_omitted", "loom_timers_names_omitted", "gauge",
+      "Timer names left out of the per-name figures (over 100)" },
     { "timers", "runs_total", "loom_timers_named_runs_total", "counter",
       "Runs of the timers with this name", "names" },
     { "timers", "errors_total", "loom_timers_named_errors_total", "counter",
