@@ -233,7 +233,11 @@ RENDER = r"""
                 { id = 0, uptime_s = 1.5, lua_memory_bytes = 0 / 0,
                   publish = { publishers = {
                       ['a "quoted\\ name\nwith a newline'] = {
-                          sent_total = 7, latency_seconds = h } } } },
+                          sent_total = 7, latency_seconds = h },
+                      -- not UTF-8: a byte alone, a cut sequence, a
+                      -- surrogate; then a valid two-byte character
+                      ["x\255y\226\130z\237\160\128 \195\169"] = {
+                          sent_total = 1 } } } },
                 { id = 1, error = "timeout" },
             } }))
         }
@@ -245,12 +249,16 @@ def test_render_escapes_labels_and_odd_values(nginx):
     if not PROMTOOL:
         pytest.skip("promtool not found (Debian package prometheus)")
     n = nginx(workers=1, server=RENDER)
-    text = n.get("/render").text
-    p = subprocess.run([PROMTOOL, "check", "metrics"], input=text.encode(),
+    body = n.get("/render").body
+    text = body.decode("utf-8")         # strict: the format is UTF-8
+    p = subprocess.run([PROMTOOL, "check", "metrics"], input=body,
                        capture_output=True, timeout=30)
     assert (p.returncode, p.stderr) == (0, b""), (p, text)
     name = r'publisher="a \"quoted\\ name\nwith a newline"'
     assert 'loom_publish_sent_total{worker="0",%s} 7' % name in text
+    bad = "x\ufffdy\ufffd\ufffdz\ufffd\ufffd\ufffd \u00e9"
+    assert 'loom_publish_sent_total{worker="0",publisher="%s"} 1' % bad \
+        in text
     assert 'loom_worker_lua_memory_bytes{worker="0"} NaN' in text
     assert 'loom_worker_up{worker="1"} 0' in text
     # values 1, 2, 3 (x1, x2, x3) in the buckets around 1.5, 2.5, 3.5 ms

@@ -14,6 +14,9 @@ local tonumber = tonumber
 local str_format = string.format
 local str_gsub = string.gsub
 local str_match = string.match
+local str_find = string.find
+local str_byte = string.byte
+local str_sub = string.sub
 local floor = math.floor
 local huge = math.huge
 local tbl_concat = table.concat
@@ -196,8 +199,59 @@ local function num(v)
 end
 
 
+local REPLACEMENT = "\239\191\189"        -- U+FFFD
+
+
+-- the length of the sequence lead byte c starts when its second byte c2
+-- is in range (RFC 3629: no overlong form, no surrogate, nothing above
+-- U+10FFFF), else false
+local function utf8_len(c, c2)
+    if c >= 0xC2 and c <= 0xDF then
+        return c2 >= 0x80 and c2 <= 0xBF and 2
+    elseif c == 0xE0 then
+        return c2 >= 0xA0 and c2 <= 0xBF and 3
+    elseif c == 0xED then
+        return c2 >= 0x80 and c2 <= 0x9F and 3
+    elseif c >= 0xE1 and c <= 0xEF then
+        return c2 >= 0x80 and c2 <= 0xBF and 3
+    elseif c == 0xF0 then
+        return c2 >= 0x90 and c2 <= 0xBF and 4
+    elseif c >= 0xF1 and c <= 0xF3 then
+        return c2 >= 0x80 and c2 <= 0xBF and 4
+    elseif c == 0xF4 then
+        return c2 >= 0x80 and c2 <= 0x8F and 4
+    end
+    return false
+end
+
+
+-- label values must be UTF-8, or Prometheus refuses the whole scrape: a
+-- byte that does not belong to a valid sequence becomes U+FFFD
+local function utf8(s)
+    if not str_find(s, "[\128-\255]") then
+        return s
+    end
+    local out, n, i, len = {}, 0, 1, #s
+    while i <= len do
+        local c = str_byte(s, i)
+        local k = c < 0x80 and 1 or utf8_len(c, str_byte(s, i + 1) or 0)
+        for j = i + 2, k and i + k - 1 or 0 do
+            local cj = str_byte(s, j)
+            if not cj or cj < 0x80 or cj > 0xBF then
+                k = false
+                break
+            end
+        end
+        n = n + 1
+        out[n] = k and str_sub(s, i, i + k - 1) or REPLACEMENT
+        i = i + (k or 1)
+    end
+    return tbl_concat(out)
+end
+
+
 local function esc(v)
-    return (str_gsub(tostring(v), '[\\\n"]',
+    return (str_gsub(utf8(tostring(v)), '[\\\n"]',
                      { ["\\"] = "\\\\", ["\n"] = "\\n", ['"'] = '\\"' }))
 end
 
