@@ -528,9 +528,18 @@ def test_event_drops_by_reason(nginx):
         }
     }
     """)
-    assert wait_for(lambda: all(not w.get("error")
-                                for w in status(n)["workers"]))
-    m = n.get("/metrics").text
+    # (a worker late for a collect has no figures in it: ask again)
+    def metrics():
+        m = n.get("/metrics").text
+        up = re.findall(r'^loom_worker_up\{worker="\d"\} (\d)$', m, re.M)
+        return m if up == ["1", "1"] else None
+
+    def everyone():
+        doc = status(n)
+        return doc if all(not w.get("error")
+                          for w in doc["workers"]) else None
+    m = wait_for(metrics)
+    assert m
     for w in ("0", "1"):
         for reason in ("queue full", "handler share", "closed", "exit"):
             assert 'loom_events_dropped_total{worker="%s",reason="%s"} 0\n' \
@@ -538,14 +547,15 @@ def test_event_drops_by_reason(nginx):
     assert 'loom_events_broker_dropped_total{worker="0",reason="worker ' \
         'gone"} 0\n' in m
     assert n.get("/big").text == "payload too large\n"
-    doc = status(n)
+    doc = wait_for(everyone)
+    assert doc
     by = [w["events"]["dropped_by_reason"] for w in doc["workers"]]
     assert sorted(b["payload too large"] for b in by) == [0, 1]
     assert all(b["closed"] == 0 for b in by)
     assert sum(w["events"]["dropped_total"] for w in doc["workers"]) == 1
     assert doc["totals"]["events"]["dropped_by_reason"][
         "payload too large"] == 1
-    m = n.get("/metrics").text
+    m = wait_for(metrics)
     assert sorted(re.findall(r'loom_events_dropped_total\{worker="\d",'
                              r'reason="payload too large"\} (\d+)', m)) \
         == ["0", "1"]
@@ -594,6 +604,12 @@ def test_many_timer_names(nginx):
         assert sorted(t["names"]) == ["job-%04d" % i for i in range(1, 101)]
         assert t["names_omitted"] == 900
         assert t["names"]["job-0001"]["runs_total"] >= 1
-    m = n.get("/metrics").text
+
+    def named_series():
+        # (a worker late for this collect has no series: ask again)
+        m = n.get("/metrics").text
+        return m if len(re.findall(r'^loom_timers_named_runs_total\{', m,
+                                   re.M)) == 200 else None
+    m = wait_for(named_series)
+    assert m, n.get("/metrics").text
     assert 'loom_timers_names_omitted{worker="1"} 900\n' in m
-    assert len(re.findall(r'^loom_timers_named_runs_total\{', m, re.M)) == 200
