@@ -105,6 +105,11 @@ def test_metrics_pass_promtool(gw):
             ("loom_events_gaps_total", "counter"),
             ("loom_timers_dropped_total", "counter"),
             ("loom_offload_rejected_total", "counter"),
+            ("loom_offload_late_total", "counter"),
+            ("loom_offload_reclaimed_total", "counter"),
+            ("loom_offload_misused_total", "counter"),
+            ("loom_events_broker_dropped_total", "counter"),
+            ("loom_events_broker_urgent_missed_total", "counter"),
             ("loom_watchdog_stalls_total", "counter"),
             ("loom_watchdog_reports_dropped_total", "counter"),
             ("loom_publish_failed_total", "counter"),
@@ -228,7 +233,11 @@ RENDER = r"""
                 { id = 0, uptime_s = 1.5, lua_memory_bytes = 0 / 0,
                   publish = { publishers = {
                       ['a "quoted\\ name\nwith a newline'] = {
-                          sent_total = 7, latency_seconds = h } } } },
+                          sent_total = 7, latency_seconds = h },
+                      -- not UTF-8: a byte alone, a cut sequence, a
+                      -- surrogate; then a valid two-byte character
+                      ["x\255y\226\130z\237\160\128 \195\169"] = {
+                          sent_total = 1 } } } },
                 { id = 1, error = "timeout" },
             } }))
         }
@@ -240,12 +249,16 @@ def test_render_escapes_labels_and_odd_values(nginx):
     if not PROMTOOL:
         pytest.skip("promtool not found (Debian package prometheus)")
     n = nginx(workers=1, server=RENDER)
-    text = n.get("/render").text
-    p = subprocess.run([PROMTOOL, "check", "metrics"], input=text.encode(),
+    body = n.get("/render").body
+    text = body.decode("utf-8")         # strict: the format is UTF-8
+    p = subprocess.run([PROMTOOL, "check", "metrics"], input=body,
                        capture_output=True, timeout=30)
     assert (p.returncode, p.stderr) == (0, b""), (p, text)
     name = r'publisher="a \"quoted\\ name\nwith a newline"'
     assert 'loom_publish_sent_total{worker="0",%s} 7' % name in text
+    bad = "x\ufffdy\ufffd\ufffdz\ufffd\ufffd\ufffd \u00e9"
+    assert 'loom_publish_sent_total{worker="0",publisher="%s"} 1' % bad \
+        in text
     assert 'loom_worker_lua_memory_bytes{worker="0"} NaN' in text
     assert 'loom_worker_up{worker="1"} 0' in text
     # values 1, 2, 3 (x1, x2, x3) in the buckets around 1.5, 2.5, 3.5 ms

@@ -4,6 +4,7 @@ shapes; nothing secret in the output."""
 
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -433,7 +434,182 @@ def test_gateway_loom_endpoints_loopback_only(gateway):
              "/loom/publish"]
     if os.path.exists("/usr/share/javascript/chart.js/chart.min.js"):
         paths.append("/loom/chart.js")      # Debian package libjs-chart.js
-    assert [get(p, "127.0.0.2") for p in paths] == [403] * len(paths)
+    # every /loom/ location the gateway ships, the demo that blocks a
+    # worker and the one that publishes a body included
+    shipped = set()
+    conf_d = os.path.join(ROOT, "examples", "gateway", "conf.d")
+    for name in os.listdir(conf_d):
+        with open(os.path.join(conf_d, name)) as f:
+            shipped.update(re.findall(r"^location = (/loom/\S*) \{",
+                                      f.read(), re.M))
+    assert set(paths) <= shipped and "/loom/demo/block" in shipped
+    assert {p: get(p, "127.0.0.2") for p in sorted(shipped)} == \
+        {p: 403 for p in sorted(shipped)}
     assert get("/", "127.0.0.2") == 200
     assert [get(p, "127.0.0.1") for p in paths] == [200] * len(paths)
     gateway.allow_log(r"access forbidden by rule")
+
+
+MISUSE_LIB = os.path.join(ROOT, "runtimes", "c", "libloom_offload_misuse.so")
+
+
+@pytest.mark.skipif(not os.path.exists(MISUSE_LIB),
+                    reason="the C runtimes are not built (make runtimes)")
+def test_offload_losses_are_exported(nginx):
+    # every way an offload call or answer is lost shows in the JSON and as
+    # a counter an alert can fire on: rejected (queue full), late (an
+    # answer after its call gave up), misused (an answer the ABI refuses),
+    # reclaimed (a task never answered)
+    n = nginx(workers=1, http="""
+    init_worker_by_lua_block {
+        local offload = require "resty.loom.offload"
+        RT = assert(offload.load("%s", "", { threads = 1, queue = 1 }))
+        MIS = assert(offload.load("%s", "", { threads = 1, reclaim = 1 }))
+    }
+    """ % (OFFLOAD_LIB, MISUSE_LIB), server=SERVER + """
+    location = /lose {
+        content_by_lua_block {
+            local th = {}
+            for i = 1, 3 do
+                th[i] = ngx.thread.spawn(RT.call, RT, "stuck 300",
+                                         { timeout = 0.1 })
+            end
+            local errs = {}
+            for i = 1, 3 do
+                local _, _, err = ngx.thread.wait(th[i])
+                errs[#errs + 1] = err
+            end
+            table.sort(errs)
+            assert(MIS:call("twice"))
+            local _, err = MIS:call("never", { timeout = 0.1 })
+            errs[#errs + 1] = err
+            ngx.say(table.concat(errs, ","))
+        }
+    }
+    """)
+    n.allow_log(r"answer\(\) for a task the runtime does not hold")
+    n.allow_log(r"a task was not answered within 1000 ms")
+    # the first call runs; the others are queued or refused, depending on
+    # whether the thread took the first one yet
+    errs = n.get("/lose").text.strip().split(",")
+    full = errs.count("queue full")
+    assert full in (1, 2) and errs[full:] == ["timeout"] * (4 - full), errs
+
+    def lost():
+        doc = status(n)
+        rts = doc["workers"][0]["offload"]["runtimes"]
+        c, m = rts["libloom_offload_c.so"], rts["libloom_offload_misuse.so"]
+        return doc if (c["rejected_total"], c["late_total"] >= 1,
+                       m["misused_total"], m["reclaimed_total"]) \
+            == (full, True, 1, 1) else None
+    doc = wait_for(lost)
+    assert doc, status(n)["workers"][0]["offload"]
+    m = n.get("/metrics").text
+    for fam, rt, v in [
+            ("rejected", "c", str(full)), ("misused", "misuse", "1"),
+            ("reclaimed", "misuse", "1"), ("closed", "c", "0")]:
+        assert 'loom_offload_%s_total{worker="0",runtime=' \
+            '"libloom_offload_%s.so"} %s\n' % (fam, rt, v) in m, (fam, m)
+    assert re.search(r'loom_offload_late_total\{worker="0",runtime='
+                     r'"libloom_offload_c.so"\} [1-9]', m), m
+    assert doc["totals"]["offload"]["runtimes"]["libloom_offload_misuse.so"][
+        "misused_total"] == 1
+
+
+def test_event_drops_by_reason(nginx):
+    # each reason a drop is counted under is its own series, there at 0
+    # before the first drop (else increase() misses that first drop)
+    n = nginx(workers=2, http=http(), server=SERVER + """
+    location = /big {
+        content_by_lua_block {
+            local bus = require("resty.loom.events").get()
+            ngx.say(select(2, bus:publish("all", "t", "x",
+                                          string.rep("x", 2 * 1024 * 1024))))
+        }
+    }
+    """)
+    # (a worker late for a collect has no figures in it: ask again)
+    def metrics():
+        m = n.get("/metrics").text
+        up = re.findall(r'^loom_worker_up\{worker="\d"\} (\d)$', m, re.M)
+        return m if up == ["1", "1"] else None
+
+    def everyone():
+        doc = status(n)
+        return doc if all(not w.get("error")
+                          for w in doc["workers"]) else None
+    m = wait_for(metrics)
+    assert m
+    for w in ("0", "1"):
+        for reason in ("queue full", "handler share", "closed", "exit"):
+            assert 'loom_events_dropped_total{worker="%s",reason="%s"} 0\n' \
+                % (w, reason) in m, m
+    assert 'loom_events_broker_dropped_total{worker="0",reason="worker ' \
+        'gone"} 0\n' in m
+    assert n.get("/big").text == "payload too large\n"
+    doc = wait_for(everyone)
+    assert doc
+    by = [w["events"]["dropped_by_reason"] for w in doc["workers"]]
+    assert sorted(b["payload too large"] for b in by) == [0, 1]
+    assert all(b["closed"] == 0 for b in by)
+    assert sum(w["events"]["dropped_total"] for w in doc["workers"]) == 1
+    assert doc["totals"]["events"]["dropped_by_reason"][
+        "payload too large"] == 1
+    m = wait_for(metrics)
+    assert sorted(re.findall(r'loom_events_dropped_total\{worker="\d",'
+                             r'reason="payload too large"\} (\d+)', m)) \
+        == ["0", "1"]
+
+
+def test_gateway_module_endpoints_are_the_collectors_shape(gateway):
+    # /loom/events, /timers, /offload, /blocking, /publish: the /loom/status
+    # document cut to one module, not five shapes of their own
+    full = gateway.get("/loom/status").json()
+    assert [w["id"] for w in full["workers"]] == [0, 1]
+    for path, module in [("/loom/events", "events"),
+                         ("/loom/timers", "timers"),
+                         ("/loom/offload", "offload"),
+                         ("/loom/blocking", "watchdog"),
+                         ("/loom/publish", "publish")]:
+        doc = gateway.get(path).json()
+        assert sorted(doc) == sorted(full), path
+        assert doc["source"] == "events" and doc["nginx"] == full["nginx"]
+        assert sorted(doc["totals"]) == sorted(
+            m for m in full["totals"] if m == module), path
+        for w, fw in zip(doc["workers"], full["workers"]):
+            assert w["id"] == fw["id"] and w["pid"] == fw["pid"]
+            assert sorted(w) == sorted(k for k in fw if k in (
+                "id", "pid", "uptime_s", "error", module)), (path, w)
+            if module in w:
+                # the same fields as in /loom/status
+                assert sorted(w[module]) == sorted(fw[module]), path
+
+
+def test_many_timer_names(nginx):
+    # the timer module keeps figures for up to 1000 names (its default
+    # max_names): every worker still answers, with the first 100 names
+    n = nginx(workers=2, http=http(worker="""
+        local timer = require "resty.loom.timer"
+        for i = 1, 1000 do
+            assert(timer.every({ interval = 0.5, name = ("job-%04d"):format(i) },
+                               function() end))
+        end
+    """), server=SERVER)
+    doc = wait_for(lambda: (lambda d: d if all(
+        not w.get("error") and w["timers"]["runs_total"] >= 1000
+        for w in d["workers"]) else None)(status(n, timeout=2)))
+    assert doc, status(n)
+    for w in doc["workers"]:
+        t = w["timers"]
+        assert sorted(t["names"]) == ["job-%04d" % i for i in range(1, 101)]
+        assert t["names_omitted"] == 900
+        assert t["names"]["job-0001"]["runs_total"] >= 1
+
+    def named_series():
+        # (a worker late for this collect has no series: ask again)
+        m = n.get("/metrics").text
+        return m if len(re.findall(r'^loom_timers_named_runs_total\{', m,
+                                   re.M)) == 200 else None
+    m = wait_for(named_series)
+    assert m, n.get("/metrics").text
+    assert 'loom_timers_names_omitted{worker="1"} 900\n' in m

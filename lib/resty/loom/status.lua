@@ -33,6 +33,19 @@ local COLLECTOR = "loom.status"
 local PUBLISH_COLLECTOR = "loom.publish"
 local MODULES = { "events", "timers", "offload", "watchdog", "publish" }
 local REPORTS_KEPT = 8             -- stall reports per worker in a snapshot
+-- timer names with figures in a snapshot (the first ones in sort order,
+-- so the set stays the same from one scrape to the next): a name's
+-- figures are about 1.3 KB on the bus, and the timer module keeps up to
+-- 1000 names by default, which made a worker's answer larger than the
+-- bus takes (and the snapshot slow)
+local NAMES_KEPT = 100
+-- the reasons resty.loom.events counts its drops under (docs/events.md),
+-- shown at 0 before their first drop: a series that appears with its
+-- first drop hides that drop from increase(), and from the alerts on it
+local EVENTS_DROPPED = { "queue full", "oldest", "payload too large",
+                         "handler share", "closed", "exit" }
+local BROKER_DROPPED = { "subscriber too slow", "worker down, queue full",
+                         "worker gone", "bad target" }
 local MAX_TIMEOUT = 10
 
 -- the log-bucket histograms of resty.loom.histogram (events, publish):
@@ -90,6 +103,19 @@ local function from_lh(h)
 end
 
 
+-- { [reason] = count }, the known reasons at 0 unless counted
+local function by_reason(t, known)
+    local out = {}
+    for _, r in ipairs(known) do
+        out[r] = 0
+    end
+    for r, n in pairs(type(t) == "table" and t or {}) do
+        out[r] = tonumber(n) or 0
+    end
+    return out
+end
+
+
 local function sum_kinds(t)
     if type(t) ~= "table" then
         return tonumber(t) or 0
@@ -115,6 +141,7 @@ local function map_events(bus)
         handler_calls_total = s.handler_calls,
         handler_errors_total = s.handler_errors,
         dropped_total = sum_kinds(s.dropped),
+        dropped_by_reason = by_reason(s.dropped, EVENTS_DROPPED),
         gaps_total = s.gaps,
         duplicates_total = s.duplicates,
         reconnects_total = s.reconnects,
@@ -140,7 +167,9 @@ local function map_events(bus)
             forwarded_total = b.forwarded,
             unique_suppressed_total = b.unique_suppressed,
             dropped_total = sum_kinds(b.dropped),
+            dropped_by_reason = by_reason(b.dropped, BROKER_DROPPED),
             slow_waits_total = b.slow_waits,
+            urgent_missed_total = b.urgent_missed,
             queue_events = qe,
             queue_bytes = qb,
         }
@@ -181,10 +210,17 @@ end
 local function map_timers(timer)
     local s = timer.stats({ raw = true })
     local t = s.totals or {}
-    -- per name (names are few and chosen by the code; sites can be many
-    -- and are in the flame graph)
+    -- per name (chosen by the code; sites can be many and are in the
+    -- flame graph)
+    local all = {}
+    for name in pairs(s.names or {}) do
+        all[#all + 1] = name
+    end
+    tbl_sort(all)
     local names = {}
-    for name, rec in pairs(s.names or {}) do
+    for i = 1, #all < NAMES_KEPT and #all or NAMES_KEPT do
+        local name = all[i]
+        local rec = s.names[name]
         names[name] = timer_figures({ rec }, {
             pending = rec.pending,
             running = rec.running,
@@ -210,6 +246,7 @@ local function map_timers(timer)
         premature_total = t.premature,
         dropped_total = t.dropped,
         names = names,
+        names_omitted = #all > NAMES_KEPT and #all - NAMES_KEPT or 0,
     })
 end
 
@@ -244,6 +281,8 @@ local function map_offload(offload)
             closed_total = r.closed,
             aborted_total = r.aborted,
             late_total = r.late,
+            reclaimed_total = r.reclaimed,
+            misused_total = r.misused,
             call_seconds = offload_hist(rt, "call"),
             queue_wait_seconds = offload_hist(rt, "wait"),
         }
@@ -424,10 +463,11 @@ end
 
 
 -- adds src's additive figures into dst: counters, gauges of amounts,
--- histograms; named sub-tables recursively, lists (reports) not at all
-local function merge(dst, src)
+-- histograms; named sub-tables recursively (a `*_by_reason` one holds
+-- counters only), lists (reports) not at all
+local function merge(dst, src, counters)
     for k, v in pairs(src) do
-        if type(v) == "number" and is_counter_like(k) then
+        if type(v) == "number" and (counters or is_counter_like(k)) then
             dst[k] = (dst[k] or 0) + v
         elseif type(v) == "number" and str_find(k, "^max_") then
             if not dst[k] or v > dst[k] then
@@ -437,7 +477,7 @@ local function merge(dst, src)
             dst[k] = hist.add(dst[k], v)
         elseif type(v) == "table" and v[1] == nil then
             dst[k] = dst[k] or {}
-            merge(dst[k], v)
+            merge(dst[k], v, str_find(k, "_by_reason$") ~= nil)
         end
     end
     return dst

@@ -28,14 +28,16 @@ function _M.rebin(count, first, last, lower, upper, sum)
         local c = count(i)
         if c and c > 0 then
             local lo, hi = lower(i), upper(i)
-            local mid = hi == huge and lo or (lo + hi) / 2
+            -- an unbounded bucket is above every bound (+Inf only); its
+            -- values count at its lower end in the estimated sum
+            local mid = hi == huge and huge or (lo + hi) / 2
             local j = 1
             while j <= NLE and LE[j] < mid do
                 j = j + 1
             end
             bins[j] = bins[j] + c
             n = n + c
-            est = est + c * mid
+            est = est + c * (hi == huge and lo or mid)
         end
     end
     local buckets = {}

@@ -13,15 +13,20 @@ local tostring = tostring
 local tonumber = tonumber
 local str_format = string.format
 local str_gsub = string.gsub
+local str_match = string.match
+local str_find = string.find
+local str_byte = string.byte
+local str_sub = string.sub
 local floor = math.floor
 local huge = math.huge
 local tbl_concat = table.concat
 local tbl_sort = table.sort
 
--- { module, field path, metric, type, help[, per] }: per names the table
--- of the module whose entries each get a label (PER_LABEL)
+-- { module, field path, metric, type, help[, per] }: per is the path of
+-- the module's table whose entries each get a label (PER_LABEL, by the
+-- table's name)
 local PER_LABEL = { runtimes = "runtime", publishers = "publisher",
-                    names = "name" }
+                    names = "name", dropped_by_reason = "reason" }
 
 local FAMILIES = {
     { nil, "up", "loom_worker_up", "gauge",
@@ -41,8 +46,8 @@ local FAMILIES = {
       "counter", "Event handler calls" },
     { "events", "handler_errors_total", "loom_events_handler_errors_total",
       "counter", "Event handlers that raised an error" },
-    { "events", "dropped_total", "loom_events_dropped_total", "counter",
-      "Events the worker dropped (queue full, oldest dropped, too large)" },
+    { "events", "", "loom_events_dropped_total", "counter",
+      "Events the worker dropped, by reason", "dropped_by_reason" },
     { "events", "gaps_total", "loom_events_gaps_total", "counter",
       "Events the worker never received (sequence gaps)" },
     { "events", "duplicates_total", "loom_events_duplicates_total",
@@ -59,10 +64,13 @@ local FAMILIES = {
       "Events received and waiting for their handlers" },
     { "events", "delivery_seconds", "loom_events_delivery_seconds",
       "histogram", "Publish to handler latency (sampled events)" },
-    { "events", "broker.dropped_total", "loom_events_broker_dropped_total",
-      "counter", "Events the broker dropped" },
+    { "events", "", "loom_events_broker_dropped_total", "counter",
+      "Events the broker dropped, by reason", "broker.dropped_by_reason" },
     { "events", "broker.rejected_total", "loom_events_broker_rejected_total",
       "counter", "Connections the broker refused" },
+    { "events", "broker.urgent_missed_total",
+      "loom_events_broker_urgent_missed_total", "counter",
+      "Urgent events (status collects) for a worker not connected" },
     { "events", "broker.forwarded_total",
       "loom_events_broker_forwarded_total", "counter",
       "Events the broker forwarded" },
@@ -87,11 +95,13 @@ local FAMILIES = {
     { "timers", "skipped_total", "loom_timers_skipped_total", "counter",
       "Periodic runs skipped" },
     { "timers", "dropped_total", "loom_timers_dropped_total", "counter",
-      "Timers dropped (limits reached)" },
+      "Premature callbacks not started within exit_timeout (dropped)" },
     { "timers", "run_seconds", "loom_timers_run_seconds", "histogram",
       "Timer callback run time" },
     { "timers", "lateness_seconds", "loom_timers_lateness_seconds",
       "histogram", "How late timers ran (sum estimated from buckets)" },
+    { "timers", "names_omitted", "loom_timers_names_omitted", "gauge",
+      "Timer names left out of the per-name figures (over 100)" },
     { "timers", "runs_total", "loom_timers_named_runs_total", "counter",
       "Runs of the timers with this name", "names" },
     { "timers", "errors_total", "loom_timers_named_errors_total", "counter",
@@ -113,8 +123,16 @@ local FAMILIES = {
       "Calls that timed out", "runtimes" },
     { "offload", "rejected_total", "loom_offload_rejected_total", "counter",
       "Calls refused (queue full)", "runtimes" },
+    { "offload", "closed_total", "loom_offload_closed_total", "counter",
+      "Calls refused (runtime closed)", "runtimes" },
     { "offload", "aborted_total", "loom_offload_aborted_total", "counter",
-      "Calls aborted", "runtimes" },
+      "Calls whose request ended before the answer", "runtimes" },
+    { "offload", "late_total", "loom_offload_late_total", "counter",
+      "Answers dropped: they came after their call gave up", "runtimes" },
+    { "offload", "reclaimed_total", "loom_offload_reclaimed_total",
+      "counter", "Tasks a runtime never answered, reclaimed", "runtimes" },
+    { "offload", "misused_total", "loom_offload_misused_total", "counter",
+      "Answers refused: the runtime broke the offload ABI", "runtimes" },
     { "offload", "call_seconds", "loom_offload_call_seconds", "histogram",
       "Offload call round trip, submit to answer", "runtimes" },
     { "offload", "queue_wait_seconds", "loom_offload_queue_wait_seconds",
@@ -181,8 +199,59 @@ local function num(v)
 end
 
 
+local REPLACEMENT = "\239\191\189"        -- U+FFFD
+
+
+-- the length of the sequence lead byte c starts when its second byte c2
+-- is in range (RFC 3629: no overlong form, no surrogate, nothing above
+-- U+10FFFF), else false
+local function utf8_len(c, c2)
+    if c >= 0xC2 and c <= 0xDF then
+        return c2 >= 0x80 and c2 <= 0xBF and 2
+    elseif c == 0xE0 then
+        return c2 >= 0xA0 and c2 <= 0xBF and 3
+    elseif c == 0xED then
+        return c2 >= 0x80 and c2 <= 0x9F and 3
+    elseif c >= 0xE1 and c <= 0xEF then
+        return c2 >= 0x80 and c2 <= 0xBF and 3
+    elseif c == 0xF0 then
+        return c2 >= 0x90 and c2 <= 0xBF and 4
+    elseif c >= 0xF1 and c <= 0xF3 then
+        return c2 >= 0x80 and c2 <= 0xBF and 4
+    elseif c == 0xF4 then
+        return c2 >= 0x80 and c2 <= 0x8F and 4
+    end
+    return false
+end
+
+
+-- label values must be UTF-8, or Prometheus refuses the whole scrape: a
+-- byte that does not belong to a valid sequence becomes U+FFFD
+local function utf8(s)
+    if not str_find(s, "[\128-\255]") then
+        return s
+    end
+    local out, n, i, len = {}, 0, 1, #s
+    while i <= len do
+        local c = str_byte(s, i)
+        local k = c < 0x80 and 1 or utf8_len(c, str_byte(s, i + 1) or 0)
+        for j = i + 2, k and i + k - 1 or 0 do
+            local cj = str_byte(s, j)
+            if not cj or cj < 0x80 or cj > 0xBF then
+                k = false
+                break
+            end
+        end
+        n = n + 1
+        out[n] = k and str_sub(s, i, i + k - 1) or REPLACEMENT
+        i = i + (k or 1)
+    end
+    return tbl_concat(out)
+end
+
+
 local function esc(v)
-    return (str_gsub(tostring(v), '[\\\n"]',
+    return (str_gsub(utf8(tostring(v)), '[\\\n"]',
                      { ["\\"] = "\\\\", ["\n"] = "\\n", ['"'] = '\\"' }))
 end
 
@@ -251,8 +320,8 @@ function _M.render(doc)
             elseif type(w[module]) == "table" then
                 local m = w[module]
                 if per then
-                    local label = PER_LABEL[per]
-                    local set = m[per] or {}
+                    local label = PER_LABEL[str_match(per, "[^.]+$")]
+                    local set = get(m, per) or {}
                     for _, k in ipairs(sorted_keys(set)) do
                         emit(out, name, typ, wl .. "," .. label .. '="'
                              .. esc(k) .. '"', get(set[k], path))
