@@ -3,10 +3,10 @@
 -- the nginx source tree in NGINX_SRC (Debian's nginx-dev,
 -- /usr/share/nginx/src, by default), so the nginx that loads it must be
 -- that nginx (it also builds the benchmarks' Pub/Sub sink, which the rock
--- does not install). LuaRocks then installs the Lua modules into its LUADIR and
--- ngx_loom_module.so into the rock's LIBDIR (e.g.
--- ~/.luarocks/lib/lua/5.1/ngx_loom_module.so with --local): give that path
--- to nginx's load_module. It is an nginx module, not a Lua C module:
+-- does not install). LuaRocks then installs the Lua modules into its
+-- LUADIR and ngx_loom_module.so into the rock's LIBDIR (e.g.
+-- ~/.luarocks/lib/lua/5.1/ngx_loom_module.so with --local): give that
+-- path to nginx's load_module. It is an nginx module, not a Lua C module:
 -- require() cannot load it.
 rockspec_format = "3.0"
 package = "lua-resty-loom"
