@@ -1,7 +1,13 @@
--- LuaRocks: the Lua modules of resty-loom. The nginx module they need,
--- ngx_loom_module.so, must be built against the nginx that loads it: it is
--- not a Lua C module, so this rock does not build it; `make build` in the
--- checkout does (or install the Debian package, `make deb`).
+-- LuaRocks: the Lua modules of resty-loom and the nginx module they need.
+-- The build step is `make build`: it compiles ngx_loom_module.so against
+-- the nginx source tree in NGINX_SRC (Debian's nginx-dev,
+-- /usr/share/nginx/src, by default), so the nginx that loads it must be
+-- that nginx (it also builds the benchmarks' Pub/Sub sink, which the rock
+-- does not install). LuaRocks then installs the Lua modules into its
+-- LUADIR and ngx_loom_module.so into the rock's LIBDIR (e.g.
+-- ~/.luarocks/lib/lua/5.1/ngx_loom_module.so with --local): give that
+-- path to nginx's load_module. It is an nginx module, not a Lua C module:
+-- require() cannot load it.
 rockspec_format = "3.0"
 package = "lua-resty-loom"
 version = "0.2.0-1"
@@ -19,8 +25,8 @@ lua-resty-events and lua-resty-worker-events compatible APIs),
 resty.loom.timer (a timing wheel on reused runners), resty.loom.offload
 (native calls on threads), resty.loom.watchdog (finds code blocking the
 event loop), resty.loom.publish (batched Google Cloud Pub/Sub publishing).
-Needs lua-nginx-module, lua-resty-core and the ngx_loom_module nginx
-module, built with `make build`.]],
+Needs lua-nginx-module and lua-resty-core; the rock builds the
+ngx_loom_module nginx module (load_module it from the rock's lib dir).]],
    homepage = "https://github.com/resty-loom/lua-resty-loom",
    license = "BSD-2-Clause",
 }
@@ -28,43 +34,50 @@ dependencies = {
    "lua == 5.1",
 }
 build = {
-   type = "builtin",
-   modules = {
-      ["resty.loom.cluster"] = "lib/resty/loom/cluster.lua",
-      ["resty.loom.cluster.redis"] = "lib/resty/loom/cluster/redis.lua",
-      ["resty.loom.cluster.resp"] = "lib/resty/loom/cluster/resp.lua",
-      ["resty.loom.cluster.timer"] = "lib/resty/loom/cluster/timer.lua",
-      ["resty.loom.compat.common"] = "lib/resty/loom/compat/common.lua",
-      ["resty.loom.compat.disable_listening"] = "lib/resty/loom/compat/disable_listening.lua",
-      ["resty.loom.compat.events"] = "lib/resty/loom/compat/events.lua",
-      ["resty.loom.compat.events_compat"] = "lib/resty/loom/compat/events_compat.lua",
-      ["resty.loom.compat.worker_events"] = "lib/resty/loom/compat/worker_events.lua",
-      ["resty.loom.error_handler"] = "lib/resty/loom/error_handler.lua",
-      ["resty.loom.events"] = "lib/resty/loom/events.lua",
-      ["resty.loom.events.broker"] = "lib/resty/loom/events/broker.lua",
-      ["resty.loom.events.fifo"] = "lib/resty/loom/events/fifo.lua",
-      ["resty.loom.events.frame"] = "lib/resty/loom/events/frame.lua",
-      ["resty.loom.events.ring"] = "lib/resty/loom/events/ring.lua",
-      ["resty.loom.flamegraph"] = "lib/resty/loom/flamegraph.lua",
-      ["resty.loom.histogram"] = "lib/resty/loom/histogram.lua",
-      ["resty.loom.http"] = "lib/resty/loom/http.lua",
-      ["resty.loom.jwt"] = "lib/resty/loom/jwt.lua",
-      ["resty.loom.offload"] = "lib/resty/loom/offload.lua",
-      ["resty.loom.publish"] = "lib/resty/loom/publish.lua",
-      ["resty.loom.publish.auth"] = "lib/resty/loom/publish/auth.lua",
-      ["resty.loom.publish.base64"] = "lib/resty/loom/publish/base64.lua",
-      ["resty.loom.publish.json"] = "lib/resty/loom/publish/json.lua",
-      ["resty.loom.status"] = "lib/resty/loom/status.lua",
-      ["resty.loom.status.dashboard"] = "lib/resty/loom/status/dashboard.lua",
-      ["resty.loom.status.hist"] = "lib/resty/loom/status/hist.lua",
-      ["resty.loom.status.prometheus"] = "lib/resty/loom/status/prometheus.lua",
-      ["resty.loom.timer"] = "lib/resty/loom/timer.lua",
-      ["resty.loom.timer.array"] = "lib/resty/loom/timer/array.lua",
-      ["resty.loom.timer.core"] = "lib/resty/loom/timer/core.lua",
-      ["resty.loom.timer.stats"] = "lib/resty/loom/timer/stats.lua",
-      ["resty.loom.timer.wheel"] = "lib/resty/loom/timer/wheel.lua",
-      ["resty.loom.watchdog"] = "lib/resty/loom/watchdog.lua",
-      ["resty.loom.yield"] = "lib/resty/loom/yield.lua",
+   type = "make",
+   build_target = "build",
+   -- LuaRocks installs the files itself, from the lists below, so that
+   -- its manifest names every module (`make install` is for /usr/local)
+   install_pass = false,
+   install = {
+      lib = { ngx_loom_module = "build/ngx_loom_module.so" },
+      lua = {
+         ["resty.loom.cluster"] = "lib/resty/loom/cluster.lua",
+         ["resty.loom.cluster.redis"] = "lib/resty/loom/cluster/redis.lua",
+         ["resty.loom.cluster.resp"] = "lib/resty/loom/cluster/resp.lua",
+         ["resty.loom.cluster.timer"] = "lib/resty/loom/cluster/timer.lua",
+         ["resty.loom.compat.common"] = "lib/resty/loom/compat/common.lua",
+         ["resty.loom.compat.disable_listening"] = "lib/resty/loom/compat/disable_listening.lua",
+         ["resty.loom.compat.events"] = "lib/resty/loom/compat/events.lua",
+         ["resty.loom.compat.events_compat"] = "lib/resty/loom/compat/events_compat.lua",
+         ["resty.loom.compat.worker_events"] = "lib/resty/loom/compat/worker_events.lua",
+         ["resty.loom.error_handler"] = "lib/resty/loom/error_handler.lua",
+         ["resty.loom.events"] = "lib/resty/loom/events.lua",
+         ["resty.loom.events.broker"] = "lib/resty/loom/events/broker.lua",
+         ["resty.loom.events.fifo"] = "lib/resty/loom/events/fifo.lua",
+         ["resty.loom.events.frame"] = "lib/resty/loom/events/frame.lua",
+         ["resty.loom.events.ring"] = "lib/resty/loom/events/ring.lua",
+         ["resty.loom.flamegraph"] = "lib/resty/loom/flamegraph.lua",
+         ["resty.loom.histogram"] = "lib/resty/loom/histogram.lua",
+         ["resty.loom.http"] = "lib/resty/loom/http.lua",
+         ["resty.loom.jwt"] = "lib/resty/loom/jwt.lua",
+         ["resty.loom.offload"] = "lib/resty/loom/offload.lua",
+         ["resty.loom.publish"] = "lib/resty/loom/publish.lua",
+         ["resty.loom.publish.auth"] = "lib/resty/loom/publish/auth.lua",
+         ["resty.loom.publish.base64"] = "lib/resty/loom/publish/base64.lua",
+         ["resty.loom.publish.json"] = "lib/resty/loom/publish/json.lua",
+         ["resty.loom.status"] = "lib/resty/loom/status.lua",
+         ["resty.loom.status.dashboard"] = "lib/resty/loom/status/dashboard.lua",
+         ["resty.loom.status.hist"] = "lib/resty/loom/status/hist.lua",
+         ["resty.loom.status.prometheus"] = "lib/resty/loom/status/prometheus.lua",
+         ["resty.loom.timer"] = "lib/resty/loom/timer.lua",
+         ["resty.loom.timer.array"] = "lib/resty/loom/timer/array.lua",
+         ["resty.loom.timer.core"] = "lib/resty/loom/timer/core.lua",
+         ["resty.loom.timer.stats"] = "lib/resty/loom/timer/stats.lua",
+         ["resty.loom.timer.wheel"] = "lib/resty/loom/timer/wheel.lua",
+         ["resty.loom.watchdog"] = "lib/resty/loom/watchdog.lua",
+         ["resty.loom.yield"] = "lib/resty/loom/yield.lua",
+      },
    },
    copy_directories = { "docs" },
 }

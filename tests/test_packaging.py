@@ -6,11 +6,15 @@ libnginx-mod-* packages and lintian finds no error in it."""
 import glob
 import os
 import re
+import shutil
 import subprocess
+import time
+import urllib.error
+import urllib.request
 
 import pytest
 
-from loomtest.nginx import NGINX, ROOT
+from loomtest.nginx import NGINX, ROOT, free_port
 
 with open(os.path.join(ROOT, "src", "ngx_loom.h")) as f:
     VERSION = re.search(r'#define NGX_LOOM_VERSION\s+"([^"]+)"',
@@ -30,19 +34,23 @@ VERSIONED = [m for m in MODULES if m not in PEER_MODULES]
 
 
 def check_conf(tmp_path, load_module, lua_dir):
-    """nginx -t, then a request: every resty.loom module loads from lua_dir
-    (and not from the checkout), and the C module reports the version."""
+    """nginx -t, then nginx runs: its init_by_lua checks that every
+    resty.loom module loads from lua_dir (and not from the checkout), and a
+    request to a worker gets the version from the loaded C module. (nginx -t
+    alone does not run init_by_lua.)"""
     prefix = str(tmp_path / "nginx")
     os.makedirs(prefix + "/logs")
     requires = "\n".join(
         'assert(package.searchpath("%s", package.path):find("%s", 1, true)'
         ', "%s")\nassert(require("%s")._VERSION == "%s", "%s")'
         % (m, lua_dir, m, m, VERSION, m) for m in VERSIONED)
+    port = free_port()
     conf = """
 load_module /usr/share/nginx/modules/ndk_http_module.so;
 load_module /usr/share/nginx/modules/ngx_http_lua_module.so;
 %(load_module)s
 pid %(prefix)s/nginx.pid;
+error_log %(prefix)s/logs/error.log;
 events {}
 http {
     access_log off;
@@ -50,17 +58,48 @@ http {
     init_by_lua_block {
 %(requires)s
     }
+    server {
+        listen 127.0.0.1:%(port)d;
+        location = /version {
+            content_by_lua_block {
+                local ffi = require "ffi"
+                ffi.cdef("const char *ngx_loom_ffi_version(void);")
+                ngx.print(ffi.string(ffi.C.ngx_loom_ffi_version()))
+            }
+        }
+    }
 }
 """ % {"load_module": load_module, "prefix": prefix, "lua_dir": lua_dir,
-       "requires": requires}
+       "requires": requires, "port": port}
     with open(prefix + "/nginx.conf", "w") as f:
         f.write(conf)
-    res = subprocess.run(
-        [NGINX, "-t", "-p", prefix, "-c", prefix + "/nginx.conf",
-         "-e", prefix + "/logs/error.log"],
-        capture_output=True, text=True, timeout=60)
+    cmd = [NGINX, "-p", prefix, "-c", prefix + "/nginx.conf",
+           "-e", prefix + "/logs/error.log"]
+    res = subprocess.run(cmd + ["-t"], capture_output=True, text=True,
+                         timeout=60)
     assert res.returncode == 0, res.stderr
     assert "test is successful" in res.stderr
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                with urllib.request.urlopen("http://127.0.0.1:%d/version"
+                                            % port, timeout=5) as r:
+                    assert r.read().decode() == VERSION
+                break
+            except urllib.error.URLError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+    finally:
+        subprocess.run(cmd + ["-s", "quit"], capture_output=True,
+                       timeout=60)
+    with open(prefix + "/logs/error.log") as f:
+        bad = [line for line in f
+               if re.search(r"\[(error|crit|alert|emerg)\]", line)]
+    assert not bad, bad
 
 
 def test_one_version_everywhere():
@@ -100,15 +139,31 @@ def test_rockspec_lists_every_module():
 
 
 def test_luarocks_make_local(tmp_path):
+    """The rock builds the nginx module itself: luarocks make in a copy of
+    the checkout without its build/, then nginx loads the
+    ngx_loom_module.so the rock installed."""
+    src = str(tmp_path / "src")
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"],
+                           cwd=ROOT, capture_output=True, text=True,
+                           check=True).stdout.split()
+    for path in files:
+        if os.path.isfile(os.path.join(ROOT, path)):
+            os.makedirs(os.path.dirname(os.path.join(src, path)),
+                        exist_ok=True)
+            shutil.copy2(os.path.join(ROOT, path), os.path.join(src, path))
+    assert not os.path.exists(src + "/build")
     home = str(tmp_path / "home")
     os.makedirs(home)
-    res = subprocess.run(["luarocks", "make", "--local", ROCKSPEC],
-                         cwd=ROOT, env=dict(os.environ, HOME=home),
-                         capture_output=True, text=True, timeout=300)
+    res = subprocess.run(["luarocks", "make", "--local",
+                          os.path.basename(ROCKSPEC)],
+                         cwd=src, env=dict(os.environ, HOME=home),
+                         capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr
-    tree = home + "/.luarocks/share/lua/5.1"
-    check_conf(tmp_path, "load_module %s/build/ngx_loom_module.so;" % ROOT,
-               tree)
+    assert "built %s/build/ngx_loom_module.so" % src in res.stdout
+    tree = home + "/.luarocks"
+    module = tree + "/lib/lua/5.1/ngx_loom_module.so"
+    assert os.path.isfile(module)
+    check_conf(tmp_path, "load_module %s;" % module, tree + "/share/lua/5.1")
 
 
 def test_make_install(tmp_path):
