@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import signal
 import socket
 import subprocess
@@ -20,6 +21,15 @@ LOOM_MODULE = os.environ.get(
 
 BAD_LOG = re.compile(r"\[(error|crit|alert|emerg)\]")
 _copies = {}
+
+
+def _not_copied(folder, names):
+    """.git, and what copytree cannot copy: sockets and pipes a benchmark
+    or a server left in the tree."""
+    return [n for n in names if n == ".git" or not (
+        stat.S_ISREG(os.lstat(os.path.join(folder, n)).st_mode)
+        or stat.S_ISDIR(os.lstat(os.path.join(folder, n)).st_mode)
+        or stat.S_ISLNK(os.lstat(os.path.join(folder, n)).st_mode))]
 
 
 def readable_checkout(root=ROOT):
@@ -37,8 +47,7 @@ def readable_checkout(root=ROOT):
         atexit.register(shutil.rmtree, parent, True)
         os.chmod(parent, 0o755)
         copy = os.path.join(parent, "resty-loom")
-        shutil.copytree(root, copy, symlinks=True,
-                        ignore=shutil.ignore_patterns(".git"))
+        shutil.copytree(root, copy, symlinks=True, ignore=_not_copied)
         _copies[root] = copy
     return _copies[root]
 
