@@ -186,7 +186,8 @@ def test_broker_worker_link(nginx):
     b = st[0]["stats"]["broker"]
     # three sockets and the broker worker's own link
     assert b["connections"] == 4 and b["accepted"] == 4, b
-    assert connected_to(n.prefix + "/sock/bus.sock") == 3
+    # (each of the three with its lane for collect)
+    assert connected_to(n.prefix + "/sock/bus.sock") == 3 * 2
     assert all(q["connected"] for q in b["queues"].values()), b
     assert st[0]["stats"]["queue"]["unacked"] == 0
 

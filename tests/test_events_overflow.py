@@ -453,7 +453,11 @@ def test_feedback_loop_does_not_starve_the_bus(nginx, everywhere):
     """A handler re-posts its own event, in every worker or in one: a
     canary published from a request is accepted and reaches every worker,
     collect() answers with every worker within 2 s, and the loop is
-    counted and named in a warning."""
+    counted and named in a warning. (collect and its answers take the
+    workers' lanes: over the connections they waited behind the loop's
+    events, which back-pressure holds in both directions, and one round
+    in two missed a worker on a loaded machine.)"""
+    rounds = 10
     n = nginx(workers=4, http="lua_shared_dict canary 1m;\n"
               + ec.http(extra_worker=LOOP % {
                   "everywhere": str(everywhere).lower()}),
@@ -465,7 +469,7 @@ def test_feedback_loop_does_not_starve_the_bus(nginx, everywhere):
     r = n.get("/ev/pub?target=all&source=loop&event=e&n=1")
     assert r.status == 200
     time.sleep(2)
-    for i in range(5):
+    for i in range(rounds):
         assert n.get("/canary?id=%d" % i).text.strip() == "ok"
         start = time.time()
         r = n.get("/ev/collect?name=loom.events&timeout=2", timeout=10)
@@ -479,7 +483,7 @@ def test_feedback_loop_does_not_starve_the_bus(nginx, everywhere):
     while True:
         d = n.get("/canarystate").json()
         got = [k for k in d if not k.startswith("sent:")]
-        if len(got) == 20 or time.time() > deadline:
+        if len(got) == 4 * rounds or time.time() > deadline:
             break
         time.sleep(0.1)
     # a canary may only be missing where the broker counted drops (a
@@ -488,9 +492,10 @@ def test_feedback_loop_does_not_starve_the_bus(nginx, everywhere):
     queues = r["0"]["broker"]["queues"]
     for w in range(4):
         mine = [k for k in got if k.startswith("%d:" % w)]
-        assert len(mine) == 5 or queues[str(w)]["dropped"] > 0, (w, mine)
+        assert len(mine) == rounds or queues[str(w)]["dropped"] > 0, (
+            w, mine)
     if not everywhere:
-        assert len(got) == 20, sorted(got)
+        assert len(got) == 4 * rounds, sorted(got)
     assert "feedback" in n.error_log()
 
 

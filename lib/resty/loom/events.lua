@@ -564,7 +564,10 @@ function send_urgent(self, target, event, data)
     elseif target ~= self.worker then
         frame.put_urgent(self.urgent, target, self.worker, self.pid,
                          self.incarnation)
-        if self.writer_idle then
+        local lane = self.lane
+        if lane then
+            lane.sema:post(1)
+        elseif self.writer_idle then
             self.writer_idle = false
             self.wsema:post(1)
         end
@@ -893,7 +896,7 @@ local function writer(self, sock, link)
     local last_send = ngx_now()
     local hb = self.opts.heartbeat
     while true do
-        if #self.unsent == 0 and #self.urgent == 0 then
+        if #self.unsent == 0 and (#self.urgent == 0 or self.lane) then
             if self.stopping then
                 -- what we received goes confirmed: the broker counts
                 -- the rest as dropped for us
@@ -913,7 +916,8 @@ local function writer(self, sock, link)
         if link.closed then
             return true
         end
-        if #self.urgent > 0 then
+        if #self.urgent > 0 and not self.lane then
+            -- (without a lane: behind the write under way)
             if not send(sock, link, self.urgent:get()) then
                 return nil, link.error
             end
@@ -1058,7 +1062,7 @@ local function requeue_unacked(self)
 end
 
 
-local function handshake(self, sock)
+local function handshake(self, sock, lane)
     local path = self.opts.socket
     if C.access(path, F_OK) ~= 0 then
         -- nginx's master removes the socket file as soon as it has told
@@ -1098,6 +1102,7 @@ local function handshake(self, sock)
         worker = self.worker,
         pid = self.pid,
         generation = self.generation,
+        lane = lane,
     })
     ok, err = sock:send(out:get())
     if not ok then
@@ -1134,6 +1139,88 @@ local function handshake(self, sock)
 end
 
 
+-- The lane: a second connection to the broker for urgent events only
+-- (collect and its answers), which neither side ever stops reading, so
+-- that they do not wait behind this worker's events in either direction
+-- while a queue is full (see broker.lua). It lives as long as the
+-- connection; without it urgent events take the connection.
+local function lane_reader(self, sock, lane)
+    local rbuf = buf_new(READ_SIZE)
+    local st = { got = 0 }
+    sock:settimeouts(CONNECT_TIMEOUT * 1000, SEND_TIMEOUT * 1000,
+                     self.opts.heartbeat * 3000)
+    while not lane.closed do
+        local data, err = sock:receiveany(READ_SIZE)
+        if not data then
+            lane.error = err
+            break
+        end
+        rbuf:put(data)
+        -- (the broker sends only urgent events and pongs here)
+        local need
+        need, err = consume(self, rbuf, st)
+        if not need or st.got > 0 then
+            lane.error = err or "events on the lane"
+            break
+        end
+    end
+    lane.closed = true
+    lane.sema:post(1)
+end
+
+
+local function run_lane(self, lane)
+    local sock = ngx.socket.tcp()
+    sock:settimeout(CONNECT_TIMEOUT * 1000)
+    local ok, err = handshake(self, sock, true)
+    if not ok then
+        sock:close()
+        if not lane.closed then
+            warn_once(self, "lane", "failed to open the lane (collect "
+                      .. "goes with the events): ", err)
+        end
+        return
+    end
+    local rt = spawn(lane_reader, self, sock, lane)
+    self.lane = lane
+    local hb = self.opts.heartbeat
+    local last_send = ngx_now()
+    while not lane.closed do
+        if #self.urgent == 0 then
+            lane.sema:wait(hb / 2)
+        end
+        if lane.closed then
+            break
+        end
+        local data
+        if #self.urgent > 0 then
+            data = self.urgent:get()
+        elseif ngx_now() - last_send >= hb / 2 then
+            -- the broker times a silent lane out like a connection
+            data = control(T_PING)
+        end
+        if data then
+            ok, err = sock:send(data)
+            if not ok then
+                lane.error = err
+                break
+            end
+            last_send = ngx_now()
+        end
+    end
+    self.lane = nil
+    lane.closed = true
+    kill(rt)
+    sock:close()
+    if lane.error and not self.stopping then
+        warn_once(self, "lane", "lost the lane (collect goes with the "
+                  .. "events): ", lane.error)
+    end
+    -- what is left goes with the events
+    self.wsema:post(1)
+end
+
+
 local function client_loop(premature, self)
     if premature then
         return
@@ -1160,9 +1247,14 @@ local function client_loop(premature, self)
             requeue_unacked(self)
             local link = { closed = false, error = nil, got = 0, acked = 0 }
             local wt = spawn(writer, self, sock, link)
+            local lane = { closed = false, sema = semaphore.new() }
+            local lt = spawn(run_lane, self, lane)
             local rok, rerr = reader(self, sock, link)
             link.closed = true
             self.wsema:post(1)
+            lane.closed = true
+            lane.sema:post(1)
+            ngx.thread.wait(lt)
             -- a writer stuck in a send to a dead broker is stopped here;
             -- what it was sending is still in unacked and goes again
             kill(wt)

@@ -605,6 +605,7 @@ local function forward_urgent(bus, b, c, p, len)
     for wid = first, last do
         local q = b.queues[wid]
         local to = q and q.conn
+        local lane = q and q.lane
         if wid == c.wid then -- luacheck: ignore 542
             -- (the sender answers itself)
         elseif not to then
@@ -612,7 +613,12 @@ local function forward_urgent(bus, b, c, p, len)
         elseif to.urgent then
             -- the broker worker's own link
             to.urgent(p, len)
+        elseif lane and not lane.closed then
+            frame.put_chunked(lane.ctl, T_URGENT, 0, p, len)
+            lane.sema:post(1)
         else
+            -- (a worker whose lane is not up yet: ahead of its queue, but
+            -- behind the send under way)
             frame.put_chunked(to.ctl, T_URGENT, 0, p, len)
             wake_writer(q)
         end
@@ -826,6 +832,97 @@ local function read_hello(sock)
 end
 
 
+-- Reads a worker's lane: urgent events and pings only.
+local function lane_reader(bus, b, l)
+    local sock = l.sock
+    local rbuf = buf_new(READ_SIZE)
+    sock:settimeouts(HELLO_TIMEOUT * 1000, SEND_TIMEOUT * 1000,
+                     bus.opts.heartbeat * 3000)
+    local err
+    while not l.closed do
+        local data
+        data, err = sock:receiveany(READ_SIZE)
+        if not data then
+            break
+        end
+        rbuf:put(data)
+        while true do
+            local h, pp, size = frame.peek(rbuf, CHUNK)
+            if not h then
+                err = h == false and pp or nil
+                break
+            end
+            if h.type == T_URGENT then
+                local ok, why = forward_urgent(bus, b, l, pp, h.len)
+                if not ok then
+                    err = why
+                    break
+                end
+            elseif h.type == T_PING then
+                frame.put_empty(l.ctl, T_PONG, frame_seq(h))
+                l.sema:post(1)
+            else
+                err = "unexpected frame type " .. tostring(h.type)
+                    .. " on the lane"
+                break
+            end
+            rbuf:skip(size)
+        end
+        if err then
+            break
+        end
+    end
+    if err and err ~= "closed" and not ngx.worker.exiting() then
+        log(WARN, "closed worker ", l.wid, "'s lane: ", err)
+    end
+    l.closed = true
+    l.sema:post(1)
+end
+
+
+-- Serves a worker's lane: a second connection that carries only urgent
+-- events (collect and its answers) both ways, so that they never wait
+-- behind the events of its connection, which the broker and the worker
+-- stop reading while a queue is full (back-pressure). It lives as long
+-- as the worker's connection, whose liveness decides.
+local function serve_lane(bus, b, q, sock, pid)
+    local l = {
+        sock = sock,
+        wid = q.wid,
+        pid = pid,
+        ctl = buf_new(256),
+        sema = semaphore.new(),
+        closed = false,
+    }
+    local out = buf_new()
+    frame.put_control(out, T_WELCOME, 0, { broker_pid = ngx.worker.pid() })
+    local ok = sock:send(out:get())
+    if not ok then
+        return ngx_exit(444)
+    end
+    if q.lane then
+        q.lane.closed = true
+        q.lane.sema:post(1)
+    end
+    q.lane = l
+    local rt = spawn(lane_reader, bus, b, l)
+    while not l.closed do
+        if #l.ctl == 0 then
+            l.sema:wait(1)
+        end
+        if #l.ctl > 0 and not sock:send(l.ctl:get()) then
+            break
+        end
+    end
+    l.closed = true
+    kill(rt)
+    if q.lane == l then
+        q.lane = nil
+    end
+    return ngx_exit(444)
+end
+
+
 -- c takes q over: the connection that held it (a process with this id
 -- that is gone, or lost its connection) is closed
 local function attach(b, q, c)
@@ -949,6 +1046,13 @@ function _M.serve(bus)
            and C.ngx_loom_ffi_is_sibling(q.conn.pid) == 1) then
         reject(b, sock, "worker id in use", tostring(wid))
         return ngx_exit(444)
+    end
+    if hello.lane then
+        if not (q.conn and q.conn.pid == pid) then
+            reject(b, sock, "lane without a connection", tostring(wid))
+            return ngx_exit(444)
+        end
+        return serve_lane(bus, b, q, sock, pid)
     end
     local c = {
         sock = sock,
