@@ -16,7 +16,9 @@ local NBUCKETS = 256       -- up to MIN * 1.09^256, about 3.8e3 s
 local LOG_GROWTH = log(GROWTH)
 
 
-local _M = { _VERSION = "0.2.0" }
+-- the layout, for readers of raw buckets (resty.loom.status)
+local _M = { _VERSION = "0.2.0", MIN = MIN, GROWTH = GROWTH,
+             NBUCKETS = NBUCKETS }
 local mt = { __index = _M }
 
 

@@ -8,6 +8,8 @@
 
 
 local hist = require "resty.loom.status.hist"
+local lhist = require "resty.loom.histogram"
+local tstats = require "resty.loom.timer.stats"
 
 local ngx = ngx
 local ngx_now = ngx.now
@@ -49,12 +51,13 @@ local BROKER_DROPPED = { "subscriber too slow", "worker down, queue full",
 local MAX_TIMEOUT = 10
 
 -- the log-bucket histograms of resty.loom.histogram (events, publish):
--- bucket i holds [1e-6 * 1.09^i, 1e-6 * 1.09^(i+1)) s, bucket 0 also what
--- is below; checked against the module by tests/test_status.py
-local LH_MIN, LH_GROWTH, LH_LAST = 1e-6, 1.09, 255
+-- bucket i holds [MIN * GROWTH^i, MIN * GROWTH^(i+1)) s, bucket 0 also
+-- what is below
+local LH_MIN, LH_GROWTH = lhist.MIN, lhist.GROWTH
+local LH_LAST = lhist.NBUCKETS - 1
 -- resty.loom.timer.stats: bucket 0 is under 1 us, bucket i >= 1 holds
--- [1.2^(i-1), 1.2^i) us
-local TH_GROWTH, TH_LAST = 1.2, 119
+-- [GROWTH^(i-1), GROWTH^i) us
+local TH_GROWTH, TH_LAST = tstats.GROWTH, tstats.BUCKETS - 1
 
 
 local _M = { _VERSION = "0.2.0" }

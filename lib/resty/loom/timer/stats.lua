@@ -27,7 +27,7 @@ local INV_LOG_G = 1 / log(GROWTH)
 local HIST = ffi.typeof("uint32_t[?]")
 
 
-local _M = { _VERSION = "0.2.0", BUCKETS = NB }
+local _M = { _VERSION = "0.2.0", BUCKETS = NB, GROWTH = GROWTH }
 
 
 local function bucket_of(us)
