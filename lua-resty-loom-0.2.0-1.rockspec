@@ -43,6 +43,7 @@ build = {
       lib = { ngx_loom_module = "build/ngx_loom_module.so" },
       lua = {
          ["resty.loom.cluster"] = "lib/resty/loom/cluster.lua",
+         ["resty.loom.cluster.marks"] = "lib/resty/loom/cluster/marks.lua",
          ["resty.loom.cluster.redis"] = "lib/resty/loom/cluster/redis.lua",
          ["resty.loom.cluster.resp"] = "lib/resty/loom/cluster/resp.lua",
          ["resty.loom.cluster.timer"] = "lib/resty/loom/cluster/timer.lua",

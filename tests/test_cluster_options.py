@@ -36,6 +36,16 @@ BAD = [
      "opts.claim_idle must be less than opts.group_idle"),
     ("{redis = {host = 'h'}, node_id = 'one', shm = 'cluster'}",
      'must not be "one"'),
+    ("{redis = {host = 'h'}, node_id = 'a', shm = 'cluster', marks_file = 5}",
+     "opts.marks_file must be an absolute path"),
+    ("{redis = {host = 'h'}, node_id = 'a', shm = 'cluster',"
+     " marks_file = 'rel/x'}", "opts.marks_file must be an absolute path"),
+    ("{redis = {host = 'h'}, node_id = 'a', shm = 'cluster'}",
+     "opts.marks_file must be set when no resty.loom.events bus"),
+    ("{redis = {host = 'h'}, node_id = 'a', shm = 'cluster',"
+     " marks_file = '/nonexistent/loom/x.marks'}",
+     "opts.marks_file: failed to open /nonexistent/loom/x.marks: "
+     "No such file or directory"),
 ]
 
 

@@ -16,6 +16,7 @@ local buffer = require "string.buffer"
 local semaphore = require "ngx.semaphore"
 local events = require "resty.loom.events"
 local rconn = require "resty.loom.cluster.redis"
+local marks = require "resty.loom.cluster.marks"
 local resp = require "resty.loom.cluster.resp"
 
 local ngx_now = ngx.now
@@ -35,6 +36,7 @@ local encode = buffer.encode
 local decode = buffer.decode
 local floor = math.floor
 local min = math.min
+local max = math.max
 local unpack = unpack
 local random = math.random
 local type = type
@@ -48,6 +50,9 @@ local error = error
 local setmetatable = setmetatable
 local str_format = string.format
 local str_find = string.find
+local str_byte = string.byte
+local str_gsub = string.gsub
+local str_match = string.match
 local tab_new = require "table.new"
 local clear_tab = require "table.clear"
 local table_remove = table.remove
@@ -61,11 +66,14 @@ local MAX_BODY = 256 * 1024       -- serialised data; a bus message holds
 local CHUNK = 512 * 1024          -- at most this much of a batch's data
 local MAX_INFLIGHT = 4            -- batches handed over, not confirmed yet
 local ACK_LAG = 5                 -- ms: BLOCK while batches are in flight
+local MARKS_MIN = 256 * 1024      -- bytes of marks kept per worker slot, at
+local MARK_BYTES = 128            -- least MARK_BYTES per event in flight
 local COUNTERS = {
     "published", "rejected", "sent", "send_errors", "redis_down",
     "dropped_at_exit", "read", "read_errors", "delivered", "duplicates",
     "undecodable", "acked", "ack_timeouts", "dead_letters", "trimmed",
     "claimed", "resyncs", "groups_removed", "reader_elections",
+    "marks_loaded",
 }
 
 local DEFAULTS = {
@@ -160,7 +168,7 @@ function _M.new(opts)
     end
     for k in pairs(opts) do
         if DEFAULTS[k] == nil and k ~= "redis" and k ~= "node_id"
-           and k ~= "shm" and k ~= "bus"
+           and k ~= "shm" and k ~= "bus" and k ~= "marks_file"
         then
             error("opts." .. tostring(k) .. " is not an option", 2)
         end
@@ -207,6 +215,27 @@ function _M.new(opts)
     if self.ack_timeout >= self.claim_idle then
         error("opts.ack_timeout must be less than opts.claim_idle", 2)
     end
+    local path = opts.marks_file
+    if path == nil then
+        local bus = opts.bus or events.get()
+        local dir = bus and str_match(bus.opts.socket, "^(.*)/[^/]*$")
+        if not dir then
+            error("opts.marks_file must be set when no resty.loom.events "
+                  .. "bus was made yet", 2)
+        end
+        path = dir .. "/loom-cluster-"
+               .. str_gsub(stream .. "-" .. opts.node_id, "[^%w._-]", "_")
+               .. ".marks"
+    elseif type(path) ~= "string" or str_byte(path, 1) ~= 47 then
+        error("opts.marks_file must be an absolute path", 2)
+    end
+    local store, err = marks.open(path, ngx.worker.count(),
+                                  max(MARKS_MIN, MAX_INFLIGHT * self.batch
+                                                 * MARK_BYTES))
+    if not store then
+        error("opts.marks_file: " .. err, 2)
+    end
+    self.marks = store
     last_made = setmetatable(self, mt)
     return self
 end
@@ -418,6 +447,11 @@ local function hand_over(self, items, node)
             end
             if fresh then
                 bus:publish("current", m.s, m.e, m.d)
+                if self.marks_w then
+                    -- right after its handlers: into the marks file
+                    bus:publish("current", SRC, node and "ran_node" or "ran",
+                                m)
+                end
                 new = new + 1
             end
         end
@@ -453,6 +487,40 @@ local function confirm(self, b)
             w.sema:post(1)
         end
     end
+end
+
+
+local function on_ran(self, m)
+    marks.put(self.marks_w, marks.CLUSTER, m.i, m.q)
+end
+
+
+local function on_ran_node(self, m)
+    marks.put(self.marks_w, marks.NODE, m.i, m.q)
+end
+
+
+-- the marks the file holds: "nodes"/"one" ones of every slot (any worker
+-- may read for the node), "cluster" ones of this worker's slot
+local function load_marks(self)
+    local dict, window, slot = self.dict, self.dedupe_window, self.wid
+    local high, n = {}, 0
+    marks.each(self.marks, function(kind, key, q, s)
+        if kind == marks.NODE then
+            dict:set(self.mark_node .. key .. q, true, window)
+            n = n + 1
+        elseif s == slot and q > (high[key] or 0) then
+            high[key] = q
+        end
+    end)
+    for pub, q in pairs(high) do
+        local key = self.mark .. pub
+        if q > (dict:get(key) or 0) then
+            dict:set(key, q, window)
+        end
+        n = n + 1
+    end
+    count(self, "marks_loaded", n)
 end
 
 
@@ -937,6 +1005,16 @@ function _M.init_worker(self)
     self.handing = {}       -- marks of events handed over, not yet run
     self.next_batch = 0
     self.reading = false
+    self.marks_w = marks.attach(self.marks, self.wid, pid, self.dict)
+    if self.marks_w then
+        load_marks(self)
+        bus:subscribe(SRC, "ran", function(m) on_ran(self, m) end)
+        bus:subscribe(SRC, "ran_node", function(m) on_ran_node(self, m) end)
+    else
+        ngx_log(ngx_WARN, LOG_TAG, "both marks regions of worker ", self.wid,
+                " are in use (reloads in quick succession): what this ",
+                "worker handles may run again if the whole node dies")
+    end
     bus:subscribe(SRC, "batch", function(msg) on_batch(self, msg) end)
     bus:subscribe(SRC, "done", function(msg) on_done(self, msg) end)
     bus:subscribe(SRC, "ack", function(b) confirm(self, b) end)
