@@ -27,7 +27,9 @@ COMMENT = {"nginx": "#", "sh": "#", "python": "#", "toml": "#",
 # the Debian package of each program a `run` block may name, for the reason
 # the example is skipped without it
 DEBIAN_PACKAGE = {"cc": "gcc", "gcc": "gcc", "cargo": "cargo",
-                  "go": "golang-go", "javac": "openjdk-17-jdk-headless"}
+                  "go": "golang-go", "javac": "openjdk-17-jdk-headless",
+                  "curl": "curl", "redis-server": "redis-server",
+                  "redis-cli": "redis-tools"}
 PAGES = ["README.md"] + sorted(
     os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs",
                                                              "*.md")))
