@@ -39,18 +39,16 @@ function _M.whole(lo, hi)
 end
 
 
-function _M.boolean(v)
-    if type(v) ~= "boolean" then
-        return "a boolean"
+local function of_type(name, what)
+    return function(v)
+        if type(v) ~= name then
+            return what
+        end
     end
 end
 
-
-function _M.string(v)
-    if type(v) ~= "string" then
-        return "a string"
-    end
-end
+_M.boolean = of_type("boolean", "a boolean")
+_M.string = of_type("string", "a string")
 
 
 -- one of the given strings: 'must be "a", "b" or "c"'
