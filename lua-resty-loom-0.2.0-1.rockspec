@@ -63,6 +63,7 @@ build = {
          ["resty.loom.http"] = "lib/resty/loom/http.lua",
          ["resty.loom.jwt"] = "lib/resty/loom/jwt.lua",
          ["resty.loom.offload"] = "lib/resty/loom/offload.lua",
+         ["resty.loom.opts"] = "lib/resty/loom/opts.lua",
          ["resty.loom.publish"] = "lib/resty/loom/publish.lua",
          ["resty.loom.publish.auth"] = "lib/resty/loom/publish/auth.lua",
          ["resty.loom.publish.base64"] = "lib/resty/loom/publish/base64.lua",

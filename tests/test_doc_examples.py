@@ -19,10 +19,17 @@ import pytest
 from loomtest.nginx import (BAD_LOG, NGINX, ROOT, free_port,
                             readable_checkout)
 
-RUN_LANGS = {"nginx", "lua", "sh", "rust", "go", "python", "c", "toml",
-             "java"}
+RUN_LANGS = {"nginx", "lua", "sh", "rust", "go", "go-mod", "python", "c",
+             "toml", "java"}
 COMMENT = {"nginx": "#", "sh": "#", "python": "#", "toml": "#",
-           "lua": "--", "rust": "//", "go": "//", "c": "//", "java": "//"}
+           "lua": "--", "rust": "//", "go": "//", "go-mod": "//", "c": "//",
+           "java": "//"}
+# the Debian package of each program a `run` block may name, for the reason
+# the example is skipped without it
+DEBIAN_PACKAGE = {"cc": "gcc", "gcc": "gcc", "cargo": "cargo",
+                  "go": "golang-go", "javac": "openjdk-17-jdk-headless",
+                  "curl": "curl", "redis-server": "redis-server",
+                  "redis-cli": "redis-tools"}
 PAGES = ["README.md"] + sorted(
     os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs",
                                                              "*.md")))
@@ -296,10 +303,14 @@ def run_example(group, page_blocks):
     missing = needs_runtimes("\n".join(b.text for b in group))
     if missing:
         pytest.skip("not built: %s (make runtimes)" % ", ".join(missing))
-    tools = [t for b in group if b.role == "run" for t in b.arg.split()
-             if not shutil.which(t)]
-    if tools:
-        pytest.skip("not installed: %s" % ", ".join(tools))
+    tools = [t for b in group if b.role == "run" for t in b.arg.split()]
+    unknown = [t for t in tools if t not in DEBIAN_PACKAGE]
+    assert not unknown, "%s: no Debian package known for %s (add it to " \
+        "DEBIAN_PACKAGE)" % (first.name, unknown)
+    missing = ["%s (Debian package %s)" % (t, DEBIAN_PACKAGE[t])
+               for t in tools if not shutil.which(t)]
+    if missing:
+        pytest.skip("not installed: %s" % ", ".join(missing))
 
     ex = Example(group)
     try:
@@ -398,6 +409,8 @@ RULES = [
     ("```sh\n# doc-test: skip:\nls\n```\n", "needs a reason"),
     ("```sh\n# doc-test: run\nls\n```\n", "needs a `# => <regex>` check"),
     ("```sh\n# doc-test: frobnicate\nls\n```\n", "unknown doc-test role"),
+    ("```sh\n# doc-test: run frob\nls\n# => .\n```\n",
+     "no Debian package known for ['frob']"),
 ]
 
 
@@ -413,3 +426,15 @@ def test_marker_rules(tmp_path, text, failure):
     with pytest.raises((pytest.fail.Exception, AssertionError),
                        match=re.escape(failure)):
         run_example(last, blocks)
+
+
+def test_a_missing_build_tool_skips_naming_its_package(tmp_path,
+                                                       monkeypatch):
+    page = tmp_path / "page.md"
+    page.write_text("```sh\n# doc-test: run go\ngo version\n# => go\n```\n")
+    blocks = blocks_of(str(page))
+    monkeypatch.setattr(shutil, "which", lambda program: None)
+    with pytest.raises(pytest.skip.Exception,
+                       match=re.escape("not installed: go (Debian package "
+                                       "golang-go)")):
+        run_example(blocks, blocks)

@@ -8,6 +8,8 @@
 -- frame carries a <title> tooltip with its value and share.
 
 
+local options = require "resty.loom.opts"
+
 local floor = math.floor
 local type = type
 local pairs = pairs
@@ -36,32 +38,15 @@ local DEFAULTS = {
     max_depth = 256,
 }
 
--- numeric options: { least, most, whole number }
-local LIMITS = {
-    width = { 100, 100000, true },
-    frame_height = { 4, 200, true },
-    font_size = { 4, 100, true },
-    min_width = { 0, 1000 },
-    max_depth = { 1, 10000, true },
+local RULES = {
+    width = options.whole(100, 100000),
+    frame_height = options.whole(4, 200),
+    font_size = options.whole(4, 100),
+    min_width = options.number(0, 1000),
+    title = options.string,
+    unit = options.string,
+    max_depth = options.whole(1, 10000),
 }
-
-
-local function check_option(k, v)
-    if DEFAULTS[k] == nil then
-        error("opts." .. tostring(k) .. " is not an option", 3)
-    end
-    local lim = LIMITS[k]
-    if not lim then
-        if type(v) ~= "string" then
-            error("opts." .. k .. " must be a string", 3)
-        end
-    elseif type(v) ~= "number" or not (v >= lim[1] and v <= lim[2])
-           or (lim[3] and v % 1 ~= 0)
-    then
-        error("opts." .. k .. " must be a " .. (lim[3] and "whole " or "")
-              .. "number from " .. lim[1] .. " to " .. lim[2], 3)
-    end
-end
 
 
 local XML_ESC = { ["&"] = "&amp;", ["<"] = "&lt;", [">"] = "&gt;",
@@ -205,12 +190,7 @@ end
 -- folded text or { [stack] = value } -> SVG document (string)
 function _M.svg(input, opts)
     opts = opts or {}
-    if type(opts) ~= "table" then
-        error("opts must be a table", 2)
-    end
-    for k, v in pairs(opts) do
-        check_option(k, v)
-    end
+    options.check(opts, RULES, 2)
     local o = {}
     for k, v in pairs(DEFAULTS) do
         local x = opts[k]

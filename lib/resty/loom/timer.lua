@@ -15,6 +15,7 @@
 
 
 local core = require "resty.loom.timer.core"
+local options = require "resty.loom.opts"
 local tstats = require "resty.loom.timer.stats"
 local semaphore = require "ngx.semaphore"
 local yield = require("resty.loom.yield").yield
@@ -423,54 +424,30 @@ end
 -- API ---------------------------------------------------------------------
 
 
--- numeric options: { least, most, whole number }
-local LIMITS = {
-    resolution = { 0.001, 1 },
-    max_running = { 1, 1e6, true },
-    max_runners = { 1, 1024, true },
-    runner_spawns = { 1, 1e7, true },
-    exit_timeout = { 0.001, 86400 },
-    max_run_time = { 0.001, 86400 },
-    max_names = { 0, 1e6, true },
-    slice = { 0.0001, 1 },
+-- the rules of DEFAULTS' keys
+local RULES = {
+    resolution = options.number(0.001, 1),
+    max_running = options.whole(1, 1e6),
+    max_runners = options.whole(1, 1024),
+    runner_spawns = options.whole(1, 1e7),
+    exit_timeout = options.number(0.001, 86400),
+    max_run_time = options.or_value(options.number(0.001, 86400), false,
+                                    "false"),
+    stats = options.boolean,
+    max_names = options.whole(0, 1e6),
+    fresh_ctx = options.boolean,
+    precise_sites = options.boolean,
+    slice = options.number(0.0001, 1),
 }
-
-
-local function check_option(k, v)
-    local d = DEFAULTS[k]
-    if d == nil then
-        error("opts." .. tostring(k) .. " is not an option", 3)
-    end
-    local lim = LIMITS[k]
-    if lim then
-        if k == "max_run_time" and v == false then
-            return
-        end
-        if type(v) ~= "number" or not (v >= lim[1] and v <= lim[2])
-           or (lim[3] and v % 1 ~= 0)
-        then
-            error("opts." .. k .. " must be a " .. (lim[3] and "whole " or "")
-                  .. "number from " .. lim[1] .. " to " .. lim[2]
-                  .. (k == "max_run_time" and ", or false" or ""), 3)
-        end
-    elseif type(v) ~= "boolean" then
-        error("opts." .. k .. " must be a boolean", 3)
-    end
-end
 
 
 -- configure(opts): before the first timer (init_by_lua or
 -- init_worker_by_lua). Every option is checked before any is taken.
 function _M.configure(opts)
-    if type(opts) ~= "table" then
-        error("opts must be a table", 2)
-    end
     if eng then
         error("configure() must be called before the first timer", 2)
     end
-    for k, v in pairs(opts) do
-        check_option(k, v)
-    end
+    options.check(opts, RULES, 2)
     for k, v in pairs(opts) do
         cfg[k] = v
     end
@@ -628,22 +605,15 @@ local function pool_stats()
 end
 
 
+local STATS_RULES = { raw = options.boolean }
+
+
 -- this worker's statistics; opts.raw keeps the histograms (for merging)
 function _M.stats(opts)
     local raw = false
     if opts ~= nil then
-        if type(opts) ~= "table" then
-            error("opts must be a table", 2)
-        end
-        for k, v in pairs(opts) do
-            if k ~= "raw" then
-                error("opts." .. tostring(k) .. " is not an option", 2)
-            end
-            if type(v) ~= "boolean" then
-                error("opts.raw must be a boolean", 2)
-            end
-            raw = v
-        end
+        options.check(opts, STATS_RULES, 2)
+        raw = opts.raw or false
     end
     local out = engine():stats(raw)
     local pool = pool_stats()

@@ -14,6 +14,7 @@ local jit = require "jit"
 local bit = require "bit"
 local jit_util = require "jit.util"
 local semaphore = require "ngx.semaphore"
+local options = require "resty.loom.opts"
 
 local C = ffi.C
 local ffi_new = ffi.new
@@ -762,67 +763,43 @@ local function wrap_timers()
 end
 
 
--- numeric options: { least, most, whole number, what 0 means if allowed }
-local LIMITS = {
-    threshold = { 1, 3600000 },                 -- ms, up to an hour
-    interval = { 1, 1000, false, "auto" },      -- ms; also <= threshold
-    long = { 1, 86400000, false, "off" },       -- ms, up to a day
-    max_samples = { 0, 100000, true },
-    ring = { 1, 100000, true },
-    log_burst = { 1, 1000000, true },
-    log_interval = { 0.001, 86400 },            -- s
+local MAX_RING = 100000
+
+-- the rules of DEFAULTS' keys
+local RULES = {
+    threshold = options.number(1, 3600000),     -- ms, up to an hour
+    interval = options.or_value(options.number(1, 1000), 0, "0 (auto)"),
+    long = options.or_value(options.number(1, 86400000), 0, "0 (off)"),
+    max_samples = options.whole(0, 100000),
+    backtraces = options.boolean,
+    breakpoints = options.boolean,
+    ring = options.whole(1, MAX_RING),
+    log = options.boolean,
+    log_burst = options.whole(1, 1000000),
+    log_interval = options.number(0.001, 86400),  -- s
+    timers = options.boolean,
 }
 
-
-local REPORTS_LIMIT = { 0, LIMITS.ring[2], true }
-
-
--- raises at the given level (counted from this function)
-local function check_number(k, v, lim, level)
-    if v == 0 and lim[4] then
-        return
-    end
-    if type(v) ~= "number" or not (v >= lim[1] and v <= lim[2])
-       or (lim[3] and v % 1 ~= 0)
-    then
-        error("opts." .. k .. " must be a " .. (lim[3] and "whole " or "")
-              .. "number from " .. lim[1] .. " to " .. lim[2]
-              .. (lim[4] and (", or 0 (" .. lim[4] .. ")") or ""), level)
-    end
-end
+local REPORTS_RULES = { limit = options.whole(0, MAX_RING) }
 
 
--- the options of start() or configure() over base; raises (at the level
--- of their caller) before anything changes
+-- the options of start() or configure() over base (valid); raises (at the
+-- level of their caller) before anything changes
 local function check_opts(opts, base)
     if opts == nil then
         opts = {}
     end
-    if type(opts) ~= "table" then
-        error("opts must be a table", 3)
-    end
+    options.check(opts, RULES, 3)
 
     local o = {}
     for k, v in pairs(base) do
         o[k] = v
     end
     for k, v in pairs(opts) do
-        if DEFAULTS[k] == nil then
-            error("opts." .. tostring(k) .. " is not an option", 3)
-        end
         o[k] = v
-    end
-
-    for k, lim in pairs(LIMITS) do
-        check_number(k, o[k], lim, 4)
     end
     if o.interval > o.threshold then
         error("opts.interval must not exceed opts.threshold", 3)
-    end
-    for _, k in ipairs({ "backtraces", "breakpoints", "log", "timers" }) do
-        if type(o[k]) ~= "boolean" then
-            error("opts." .. k .. " must be a boolean", 3)
-        end
     end
 
     return o
@@ -1005,16 +982,8 @@ end
 function _M.reports(opts)
     local limit
     if opts ~= nil then
-        if type(opts) ~= "table" then
-            error("opts must be a table", 2)
-        end
-        for k, v in pairs(opts) do
-            if k ~= "limit" then
-                error("opts." .. tostring(k) .. " is not an option", 2)
-            end
-            check_number("limit", v, REPORTS_LIMIT, 3)
-            limit = v
-        end
+        options.check(opts, REPORTS_RULES, 2)
+        limit = opts.limit
     end
     drain()
     limit = limit or #state.ring
