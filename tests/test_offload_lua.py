@@ -503,3 +503,23 @@ def test_state_kept_between_calls_compared_with_run_worker_thread(nginx):
     # where the module is loaded again with its counter at 0
     assert ours.text.split(" | ")[1].strip() == "11 12 13 14"
     assert theirs.text.split(" | ")[1].strip() == "1 1 1 11"
+
+
+def test_calls_switching_between_handlers_reach_each(nginx):
+    # a thread reuses the function of its last call when the next names
+    # the same handler: names of one length that differ (echo, fail),
+    # and a failed lookup in between, must still reach their own function
+    n = start(nginx, threads=1)
+    n.allow_log(r"lua handler ")
+    seq = [("offload_lua_handlers.echo", "a", "a"),
+           ("offload_lua_handlers.echo", "b", "b"),
+           ("offload_lua_handlers.fail", "c", "ERR runtime error: "
+            "offload_lua_handlers.fail: "),
+           ("offload_lua_handlers.echo", "d", "d"),
+           ("offload_lua_handlers.nope", "e", 'ERR runtime error: no '
+            'function "offload_lua_handlers.nope"'),
+           ("offload_lua_handlers.echo", "f", "f"),
+           ("offload_lua_handlers.count", "", "1 1 1"),
+           ("offload_lua_handlers.echo", "g", "g")]
+    for name, data, want in seq:
+        assert call(n, name, data).text.startswith(want), (name, data)
