@@ -442,3 +442,84 @@ def test_error_paths_keep_the_state_balanced(nginx):
     assert float(grew_kb) < 32, lines[0]
     assert any("error in error handling" in l for l in lines), lines
     assert call(n, "offload_lua_handlers.echo", "still").text == "still"
+
+
+# what state a module keeps between calls, here and in
+# ngx.run_worker_thread, on the same nginx: the docs' side-by-side table
+# ("Compared with ngx.run_worker_thread") rests on this test
+STATE_SERVER = """
+location /state {
+    content_by_lua_block {
+        local function ours()
+            return LUA_RT:call("offload_lua_state.count", "")
+        end
+        local function theirs()
+            local ok, res = ngx.run_worker_thread("one", "offload_lua_state",
+                                                  "count")
+            assert(ok, res)
+            return res
+        end
+        local f = ngx.var.arg_m == "ours" and ours or theirs
+        local seq = {}
+        for i = 1, 10 do
+            seq[i] = assert(f())
+        end
+        -- four calls in flight at once: each takes its state when made
+        local ths, par = {}, {}
+        for i = 1, 4 do
+            ths[i] = ngx.thread.spawn(f)
+        end
+        for i = 1, 4 do
+            local ok, res = ngx.thread.wait(ths[i])
+            assert(ok and res, res)
+            par[i] = res
+        end
+        table.sort(par, function(a, b) return tonumber(a) < tonumber(b) end)
+        ngx.say(table.concat(seq, " "), " | ", table.concat(par, " "))
+    }
+}
+"""
+
+
+def test_state_kept_between_calls_compared_with_run_worker_thread(nginx):
+    # one thread on each side: ours with threads = 1, run_worker_thread on
+    # a pool of one thread
+    n = start(nginx, threads=1, cfg=config(preload=None),
+              main="thread_pool one threads=1;", server=STATE_SERVER)
+    ours = n.get("/state?m=ours")
+    theirs = n.get("/state?m=rwt")
+    assert ours.status == 200 and theirs.status == 200
+
+    # sequential calls: both keep the module loaded and its upvalue alive
+    # (lua-nginx-module 0.10.23 takes a VM from its pool and requires the
+    # module only on that VM's first call: it does not reload it per call)
+    assert ours.text.split(" | ")[0] == " ".join(map(str, range(1, 11)))
+    assert theirs.text.split(" | ")[0] == " ".join(map(str, range(1, 11)))
+
+    # four calls at once on one thread: ours run one after the other in the
+    # thread's one state, which goes on counting; run_worker_thread gives
+    # each call in flight a VM of its own (the pool grows up to
+    # lua_worker_thread_vm_pool_size), so three calls find a fresh VM
+    # where the module is loaded again with its counter at 0
+    assert ours.text.split(" | ")[1].strip() == "11 12 13 14"
+    assert theirs.text.split(" | ")[1].strip() == "1 1 1 11"
+
+
+def test_calls_switching_between_handlers_reach_each(nginx):
+    # a thread reuses the function of its last call when the next names
+    # the same handler: names of one length that differ (echo, fail),
+    # and a failed lookup in between, must still reach their own function
+    n = start(nginx, threads=1)
+    n.allow_log(r"lua handler ")
+    seq = [("offload_lua_handlers.echo", "a", "a"),
+           ("offload_lua_handlers.echo", "b", "b"),
+           ("offload_lua_handlers.fail", "c", "ERR runtime error: "
+            "offload_lua_handlers.fail: "),
+           ("offload_lua_handlers.echo", "d", "d"),
+           ("offload_lua_handlers.nope", "e", 'ERR runtime error: no '
+            'function "offload_lua_handlers.nope"'),
+           ("offload_lua_handlers.echo", "f", "f"),
+           ("offload_lua_handlers.count", "", "1 1 1"),
+           ("offload_lua_handlers.echo", "g", "g")]
+    for name, data, want in seq:
+        assert call(n, name, data).text.startswith(want), (name, data)

@@ -366,8 +366,11 @@ def main():
         conc = {(m, s): [] for m in conc_mechs + jobs for s in sizes}
         for p in range(0 if args.skip_concurrent else args.passes):
             order = conc_mechs if p % 2 == 0 else conc_mechs[::-1]
+            # the jobs alternate too: lua_io ran before thread_io in every
+            # pass, so whatever the machine did first counted against it
+            job_order = jobs if p % 2 == 0 else jobs[::-1]
             for s in sizes:
-                for m in order + (jobs if s == sizes[0] else []):
+                for m in order + (job_order if s == sizes[0] else []):
                     r = wrk("%s/c?m=%s&s=%s" % (base, m, s), args.duration,
                             pids)
                     conc[(m, s)].append(r)

@@ -5,11 +5,12 @@
  * loom_lua: an offload runtime (include/loom_offload.h) that runs Lua on
  * offload threads, each with its own long-lived LuaJIT state.
  *
- * Unlike ngx.run_worker_thread, whose every call takes a Lua VM from a pool
- * and loads the module again, each thread here keeps one state for the
- * life of the worker: modules are required once, and their upvalues,
- * caches and connections stay between calls. The code may block (blocking
- * sockets, file I/O, heavy pure-Lua work): only its own thread waits.
+ * Each thread keeps one state for the life of the worker: modules are
+ * required once per thread, and their upvalues, caches and connections
+ * stay between calls (ngx.run_worker_thread instead gives every call in
+ * flight a VM of its own from a pool, each loading the module once). The
+ * code may block (blocking sockets, file I/O, heavy pure-Lua work): only
+ * its own thread waits.
  *
  * Configuration string given to offload.load(): key=value pairs separated
  * by white space (';' belongs to Lua paths):
@@ -59,6 +60,18 @@
 
 #define LOOM_LUA_MAX_NAME  256
 
+/*
+ * Stack slots each state keeps for its life, set up once so that a call
+ * neither allocates nor looks them up: the traceback function (pcall's
+ * message handler), the name -> function cache, and the function of the
+ * last call, whose name the thread keeps (loom_lua_thread_t.last); calls
+ * go above them
+ */
+#define LOOM_LUA_TRACEBACK  1
+#define LOOM_LUA_CACHE      2
+#define LOOM_LUA_LAST       3
+#define LOOM_LUA_BASE       3
+
 
 typedef struct loom_lua_rt_s  loom_lua_rt_t;
 
@@ -69,6 +82,8 @@ typedef struct {
     pthread_t              tid;
     unsigned int           number;
     int                    started;
+    size_t                 last_len;
+    char                   last[LOOM_LUA_MAX_NAME];
 } loom_lua_thread_t;
 
 
@@ -107,9 +122,6 @@ static const char *const  loom_lua_config_keys[] = {
 
 /* the registry key of the thread that owns a state */
 static const char  loom_lua_thread_key = 0;
-
-/* the registry key of the name -> function cache */
-static const char  loom_lua_cache_key = 0;
 
 
 static void
@@ -241,12 +253,13 @@ loom_lua_new_state(loom_lua_thread_t *th, char *err, size_t err_size)
 
     luaL_openlibs(L);
 
+    lua_settop(L, 0);
+    lua_pushcfunction(L, loom_lua_traceback);   /* LOOM_LUA_TRACEBACK */
+    lua_newtable(L);                            /* LOOM_LUA_CACHE */
+    lua_pushnil(L);                             /* LOOM_LUA_LAST */
+
     lua_pushlightuserdata(L, (void *) &loom_lua_thread_key);
     lua_pushlightuserdata(L, th);
-    lua_rawset(L, LUA_REGISTRYINDEX);
-
-    lua_pushlightuserdata(L, (void *) &loom_lua_cache_key);
-    lua_newtable(L);
     lua_rawset(L, LUA_REGISTRYINDEX);
 
     lua_newtable(L);
@@ -288,18 +301,15 @@ loom_lua_new_state(loom_lua_thread_t *th, char *err, size_t err_size)
     for (mod = strtok_r(list, ",", &save); mod != NULL;
          mod = strtok_r(NULL, ",", &save))
     {
-        lua_pushcfunction(L, loom_lua_traceback);
         lua_getglobal(L, "require");
         lua_pushstring(L, mod);
 
-        if (lua_pcall(L, 1, 0, -3) != 0) {
+        if (lua_pcall(L, 1, 0, LOOM_LUA_TRACEBACK) != 0) {
             snprintf(err, err_size, "failed to preload %s: %s", mod,
                      lua_tostring(L, -1));
             free(list);
             return -1;
         }
-
-        lua_pop(L, 1);
     }
 
     free(list);
@@ -316,13 +326,10 @@ loom_lua_find_handler(lua_State *L, const char *name, size_t name_len)
 {
     const char  *dot;
 
-    lua_pushlightuserdata(L, (void *) &loom_lua_cache_key);
-    lua_rawget(L, LUA_REGISTRYINDEX);
     lua_pushlstring(L, name, name_len);
-    lua_rawget(L, -2);
+    lua_rawget(L, LOOM_LUA_CACHE);
 
     if (lua_isfunction(L, -1)) {
-        lua_remove(L, -2);
         return 0;
     }
 
@@ -336,26 +343,20 @@ loom_lua_find_handler(lua_State *L, const char *name, size_t name_len)
     }
 
     if (dot == NULL || dot == name || dot == name + name_len - 1) {
-        lua_pop(L, 1);
         lua_pushfstring(L, "bad handler name \"%s\": "
                         "want \"<module>.<function>\"", name);
         return -1;
     }
 
-    lua_pushcfunction(L, loom_lua_traceback);
     lua_getglobal(L, "require");
     lua_pushlstring(L, name, dot - name);
 
-    if (lua_pcall(L, 1, 1, -3) != 0) {
-        lua_remove(L, -2);
-        lua_remove(L, -2);
+    if (lua_pcall(L, 1, 1, LOOM_LUA_TRACEBACK) != 0) {
         return -1;
     }
 
-    lua_remove(L, -2);
-
     if (!lua_istable(L, -1)) {
-        lua_pop(L, 2);
+        lua_pop(L, 1);
         lua_pushfstring(L, "module \"%s\" returned no table", name);
         return -1;
     }
@@ -364,7 +365,7 @@ loom_lua_find_handler(lua_State *L, const char *name, size_t name_len)
     lua_remove(L, -2);
 
     if (!lua_isfunction(L, -1)) {
-        lua_pop(L, 2);
+        lua_pop(L, 1);
         lua_pushfstring(L, "no function \"%s\"", name);
         return -1;
     }
@@ -372,8 +373,7 @@ loom_lua_find_handler(lua_State *L, const char *name, size_t name_len)
     /* cache[name] = fn, leaving fn */
     lua_pushlstring(L, name, name_len);
     lua_pushvalue(L, -2);
-    lua_rawset(L, -4);
-    lua_remove(L, -2);
+    lua_rawset(L, LOOM_LUA_CACHE);
 
     return 0;
 }
@@ -382,7 +382,6 @@ loom_lua_find_handler(lua_State *L, const char *name, size_t name_len)
 static void
 loom_lua_serve(loom_lua_thread_t *th, const char *req, size_t len)
 {
-    int                         top;
     size_t                      name_len, rlen;
     const char                 *nul, *res;
     lua_State                  *L;
@@ -390,7 +389,6 @@ loom_lua_serve(loom_lua_thread_t *th, const char *req, size_t len)
 
     L = th->L;
     host = th->rt->host;
-    top = lua_gettop(L);
 
     nul = memchr(req, '\0', len);
     if (nul == NULL) {
@@ -409,25 +407,36 @@ loom_lua_serve(loom_lua_thread_t *th, const char *req, size_t len)
         return;
     }
 
-    lua_pushcfunction(L, loom_lua_traceback);
+    if (name_len == th->last_len && name_len != 0
+        && memcmp(req, th->last, name_len) == 0)
+    {
+        /* the same handler as the last call's: no lookup */
+        lua_pushvalue(L, LOOM_LUA_LAST);
 
-    if (loom_lua_find_handler(L, req, name_len) != 0) {
+    } else if (loom_lua_find_handler(L, req, name_len) == 0) {
+        lua_pushvalue(L, -1);
+        lua_replace(L, LOOM_LUA_LAST);
+        memcpy(th->last, req, name_len);
+        th->last_len = name_len;
+
+    } else {
         res = lua_tolstring(L, -1, &rlen);
         loom_lua_log(th->rt, LOOM_OFFLOAD_LOG_ERR, "lua handler %.*s: %s",
                      (int) name_len, req, res);
         host->answer(th->task, LOOM_OFFLOAD_ERROR, res, rlen);
-        lua_settop(L, top);
+        lua_settop(L, LOOM_LUA_BASE);
         return;
     }
 
     lua_pushlstring(L, nul + 1, len - name_len - 1);
 
-    if (lua_pcall(L, 1, 1, top + 1) != 0) {
+    /* the traceback runs only when the call fails */
+    if (lua_pcall(L, 1, 1, LOOM_LUA_TRACEBACK) != 0) {
         lua_pushfstring(L, "%s: %s", req, lua_tostring(L, -1));
         res = lua_tolstring(L, -1, &rlen);
         loom_lua_log(th->rt, LOOM_OFFLOAD_LOG_ERR, "lua handler %s", res);
         host->answer(th->task, LOOM_OFFLOAD_ERROR, res, rlen);
-        lua_settop(L, top);
+        lua_settop(L, LOOM_LUA_BASE);
         return;
     }
 
@@ -448,7 +457,7 @@ loom_lua_serve(loom_lua_thread_t *th, const char *req, size_t len)
         host->answer(th->task, LOOM_OFFLOAD_ERROR, res, rlen);
     }
 
-    lua_settop(L, top);
+    lua_settop(L, LOOM_LUA_BASE);
 }
 
 
@@ -480,9 +489,6 @@ loom_lua_thread(void *arg)
         th->task = task;
         loom_lua_serve(th, (const char *) req, len);
         th->task = NULL;
-
-        /* a call's garbage is collected between calls, a step at a time */
-        lua_gc(th->L, LUA_GCSTEP, 0);
     }
 
     return NULL;
