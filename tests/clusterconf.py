@@ -262,3 +262,20 @@ def wait_tally(nodes, expect, timeout=60, workers=2):
         if lost == 0 or time.time() > deadline:
             return res, lost, dups
         time.sleep(0.2)
+
+
+def runs(nodes):
+    """[(what, period, epoch, pid, rest...)] from every node's timer.log
+    (cluster_helper.start_timer)"""
+    out = []
+    for n in nodes:
+        try:
+            with open(os.path.join(n.prefix, "logs", "timer.log")) as f:
+                for line in f:
+                    p = line.split()
+                    if len(p) >= 4:
+                        out.append((p[0], int(p[1]), int(p[2]), int(p[3]))
+                                   + tuple(p[4:]))
+        except OSError:
+            pass
+    return out

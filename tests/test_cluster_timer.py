@@ -6,28 +6,13 @@ import os
 import signal
 import time
 
-from clusterconf import need_redis, redis_factory, start_node  # noqa: F401
+from clusterconf import (need_redis, redis_factory,  # noqa: F401
+                         start_node, runs)
 
 pytestmark = need_redis
 
 INTERVAL = 0.2
 TTL = 0.6
-
-
-def runs(nodes):
-    """[(what, period, epoch, pid, rest...)] from every node's timer.log"""
-    out = []
-    for n in nodes:
-        try:
-            with open(os.path.join(n.prefix, "logs", "timer.log")) as f:
-                for line in f:
-                    p = line.split()
-                    if len(p) >= 4:
-                        out.append((p[0], int(p[1]), int(p[2]), int(p[3]))
-                                   + tuple(p[4:]))
-        except OSError:
-            pass
-    return out
 
 
 def node_of(nodes, pid):

@@ -31,9 +31,13 @@ local OPTS = {
     max_run_time = true,
 }
 
+-- The scripts start with "#!lua" (no flags): Redis then refuses them on
+-- a replica with READONLY before they run, reads included, so a demoted
+-- master found in the pool is never used.
+
 -- KEYS: lease, epoch; ARGV: token, ttl ms. Returns the holder's epoch,
 -- or 0 when another holds the lease.
-local ACQUIRE = [[
+local ACQUIRE = [[#!lua
 if redis.call('GET', KEYS[1]) == ARGV[1] then
     redis.call('PEXPIRE', KEYS[1], ARGV[2])
     return tonumber(redis.call('GET', KEYS[2]))
@@ -47,7 +51,7 @@ return 0
 -- KEYS: lease, epoch, last period; ARGV: token, interval ms.
 -- Returns { epoch, period } when this holder is to run the period now,
 -- { 0, 0 } when it does not hold the lease, { -1, 0 } when it ran already.
-local RUN = [[
+local RUN = [[#!lua
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then
     return { 0, 0 }
 end
@@ -61,7 +65,7 @@ return { tonumber(redis.call('GET', KEYS[2])), k }
 ]]
 
 -- KEYS: lease; ARGV: token
-local RELEASE = [[
+local RELEASE = [[#!lua
 if redis.call('GET', KEYS[1]) == ARGV[1] then
     return redis.call('DEL', KEYS[1])
 end
@@ -69,7 +73,7 @@ return 0
 ]]
 
 -- KEYS: epoch; ARGV: epoch
-local FENCE = [[
+local FENCE = [[#!lua
 return tonumber(redis.call('GET', KEYS[1]) or 0) == tonumber(ARGV[1])
        and 1 or 0
 ]]
@@ -80,19 +84,30 @@ local _M = { _VERSION = "0.2.0" }
 local by_name = {}      -- name -> timer state, for fence()
 
 
+-- runs a script on the master; once more on a new connection when a
+-- pooled one failed or the master moved (running a script twice never
+-- runs a period twice)
 local function eval(conf, script, nkeys, ...)
-    local red, err = rconn.connect(conf, 2)
-    if not red then
-        return nil, err
-    end
-    local res
-    res, err = red:eval(script, nkeys, ...)
-    if res == nil then
+    local res, err
+    for _ = 1, 2 do
+        local red
+        red, err = rconn.connect(conf, 2)
+        if not red then
+            return nil, err
+        end
+        local reused = red:get_reused_times() > 0
+        res, err = red:eval(script, nkeys, ...)
+        if res ~= nil and res ~= false then
+            red:set_keepalive(POOL_IDLE, POOL_SIZE)
+            return res
+        end
         red:close()
-        return nil, err
+        if not rconn.failed(conf, res, err) and not (reused and res == nil)
+        then
+            break
+        end
     end
-    red:set_keepalive(POOL_IDLE, POOL_SIZE)
-    return res
+    return nil, err
 end
 
 
@@ -121,7 +136,7 @@ local function renew(premature, st)
         st.epoch = nil
         return
     end
-    st.epoch = res > 0 and res or nil
+    st.epoch = type(res) == "number" and res > 0 and res or nil
 end
 
 
