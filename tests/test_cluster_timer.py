@@ -4,6 +4,8 @@ timer through a Redis lease with a fencing epoch."""
 import collections
 import os
 import signal
+import socket
+import threading
 import time
 
 from clusterconf import (need_redis, redis_factory,  # noqa: F401
@@ -105,3 +107,103 @@ def test_paused_holder_sees_its_epoch_rejected(redis_factory, nginx):
     # runs that were not paused passed their fence check
     ok = [x for x in runs(nodes) if x[0] == "fence" and x[4] == "true"]
     assert ok
+
+
+class CuttingProxy:
+    """A TCP proxy to Redis that, once armed, cuts the connection that
+    carries the next command containing `needle` sent after the time
+    `armed` (a time.time()): the command reaches Redis, its reply never
+    comes back."""
+
+    def __init__(self, upstream_port, needle):
+        self.upstream = upstream_port
+        self.needle = needle
+        self.armed = None
+        self.cuts = 0
+        self.srv = socket.socket()
+        self.srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.srv.bind(("127.0.0.1", 0))
+        self.srv.listen(64)
+        self.port = self.srv.getsockname()[1]
+        threading.Thread(target=self.accept, daemon=True).start()
+
+    def accept(self):
+        while True:
+            try:
+                c, _ = self.srv.accept()
+            except OSError:
+                return
+            u = socket.create_connection(("127.0.0.1", self.upstream))
+            state = {"cut": False}
+            threading.Thread(target=self.up, args=(c, u, state),
+                             daemon=True).start()
+            threading.Thread(target=self.down, args=(u, c, state),
+                             daemon=True).start()
+
+    def up(self, c, u, state):
+        try:
+            while True:
+                data = c.recv(65536)
+                if not data:
+                    break
+                if self.armed and time.time() >= self.armed \
+                        and self.needle in data:
+                    self.armed = None
+                    state["cut"] = True     # before Redis can answer
+                    u.sendall(data)
+                    time.sleep(0.05)        # Redis runs it
+                    self.cuts += 1
+                    break
+                u.sendall(data)
+        except OSError:
+            pass
+        for s in (c, u):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+    def down(self, u, c, state):
+        try:
+            while True:
+                data = u.recv(65536)
+                if not data or state["cut"]:
+                    break
+                c.sendall(data)
+        except OSError:
+            pass
+
+    def close(self):
+        self.srv.close()
+
+
+def test_a_period_whose_reply_was_lost_still_runs(redis_factory, nginx):
+    """The connection is cut after Redis gave the holder a period and
+    before the answer came back: the holder asks again and runs it."""
+    r = redis_factory()
+    proxy = CuttingProxy(r.port, b"redis.call('TIME')")
+    try:
+        n = start_node(nginx, {"host": "127.0.0.1", "port": proxy.port},
+                       "n0", timer=(0.5, 1.5, 0))
+        deadline = time.time() + 20
+        while len(runs([n])) < 3:
+            assert time.time() < deadline, "the timer never ran"
+            time.sleep(0.05)
+        # the first check of a period is the one that takes it
+        cut_at = int(time.time() / 0.5) + 2
+        proxy.armed = cut_at * 0.5
+        while proxy.cuts == 0:
+            assert time.time() < deadline, "no period check went through"
+            time.sleep(0.05)
+        while max(p for _, p, _, _ in runs([n])) < cut_at + 3:
+            assert time.time() < deadline + 10, runs([n])
+            time.sleep(0.05)
+    finally:
+        proxy.close()
+    periods = collections.Counter(p for _, p, _, _ in runs([n]))
+    first, last = min(periods), max(periods)
+    print("cut in period %d; ran: %s" % (cut_at, sorted(periods)))
+    assert [k for k, v in periods.items() if v > 1] == []
+    assert sorted(periods) == list(range(first, last + 1)), periods
+    n.allow_log(r"\[loom.cluster(.timer)?\] ")

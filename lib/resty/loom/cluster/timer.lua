@@ -40,7 +40,7 @@ local OPTS = {
 local ACQUIRE = [[#!lua
 if redis.call('GET', KEYS[1]) == ARGV[1] then
     redis.call('PEXPIRE', KEYS[1], ARGV[2])
-    return tonumber(redis.call('GET', KEYS[2]))
+    return tonumber(redis.call('GET', KEYS[2])) or redis.call('INCR', KEYS[2])
 end
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
     return redis.call('INCR', KEYS[2])
@@ -50,18 +50,27 @@ return 0
 
 -- KEYS: lease, epoch, last period; ARGV: token, interval ms.
 -- Returns { epoch, period } when this holder is to run the period now,
--- { 0, 0 } when it does not hold the lease, { -1, 0 } when it ran already.
+-- { 0, 0 } when it does not hold the lease, { -1, 0 } when another
+-- holder ran it. The last period key holds "<period> <token>": the
+-- holder that took a period gets it again (its reply may have been lost
+-- on the way) and runs it if it has not yet (st.ran).
 local RUN = [[#!lua
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+local epoch = tonumber(redis.call('GET', KEYS[2]))
+if redis.call('GET', KEYS[1]) ~= ARGV[1] or not epoch then
     return { 0, 0 }
 end
 local t = redis.call('TIME')
 local k = math.floor((t[1] * 1000 + math.floor(t[2] / 1000)) / ARGV[2])
-if k <= tonumber(redis.call('GET', KEYS[3]) or -1) then
+local last, by = string.match(redis.call('GET', KEYS[3]) or '-1',
+                              '^(%-?%d+) ?(.*)$')
+last = tonumber(last) or -1
+if k < last or (k == last and by ~= ARGV[1]) then
     return { -1, 0 }
 end
-redis.call('SET', KEYS[3], k)
-return { tonumber(redis.call('GET', KEYS[2])), k }
+if k > last then
+    redis.call('SET', KEYS[3], k .. ' ' .. ARGV[1])
+end
+return { epoch, k }
 ]]
 
 -- KEYS: lease; ARGV: token
@@ -150,11 +159,12 @@ local function tick(premature, st, callback, ...)
         log_failure(st, "check the period", err)
         return
     end
-    local epoch = res[1]
+    local epoch, period = res[1], res[2]
     if epoch == 0 then
         st.epoch = nil              -- the lease went to another worker
-    elseif epoch > 0 then
-        return callback(false, epoch, res[2], ...)
+    elseif epoch > 0 and period ~= st.ran then
+        st.ran = period
+        return callback(false, epoch, period, ...)
     end
 end
 
@@ -211,6 +221,7 @@ function _M.every(timer, opts, callback, ...)
         ttl_ms = floor(ttl * 1000),
         interval_ms = floor(interval * 1000),
         epoch = nil,
+        ran = nil,          -- the last period this worker ran
         logged = 0,
     }
     local ok, err = timer_every(ttl / 3, renew, st)
