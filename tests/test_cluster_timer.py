@@ -207,3 +207,36 @@ def test_a_period_whose_reply_was_lost_still_runs(redis_factory, nginx):
     assert [k for k, v in periods.items() if v > 1] == []
     assert sorted(periods) == list(range(first, last + 1)), periods
     n.allow_log(r"\[loom.cluster(.timer)?\] ")
+
+
+def connections_received(r):
+    for line in r.cli("INFO", "stats").splitlines():
+        if line.startswith("total_connections_received:"):
+            return int(line.split(":")[1])
+    raise AssertionError("no total_connections_received")
+
+
+def test_a_stalled_redis_gets_one_renewal_per_worker(redis_factory, nginx):
+    """Redis stops answering (SIGSTOP) for 2.5 s: each worker's lease
+    renewal (every ttl/3 = 0.1 s) waits for its reply (2 s) instead of
+    piling up a connection per ttl/3."""
+    r = redis_factory()
+    n = start_node(nginx, {"host": "127.0.0.1", "port": r.port}, "n0",
+                   timer=(1, 0.3, 0))
+    deadline = time.time() + 20
+    while not runs([n]):
+        assert time.time() < deadline, "the timer never ran"
+        time.sleep(0.05)
+    before = connections_received(r)
+    r.proc.send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(2.5)
+    finally:
+        r.proc.send_signal(signal.SIGCONT)
+    time.sleep(0.5)
+    made = connections_received(r) - before - 1     # less this call's
+    print("connections made during a 2.5 s stall by 2 workers:", made)
+    # per worker: its renewal and its period check, each timing out once
+    # (2 s) and starting again, and the cluster reader's
+    assert made <= 12, made
+    n.allow_log(r"\[loom.cluster(.timer)?\] ")

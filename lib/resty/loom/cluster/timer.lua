@@ -138,8 +138,15 @@ local function renew(premature, st)
         end
         return
     end
+    -- ngx.timer.every does not wait for the last run: while Redis is slow
+    -- to answer, one renewal at a time
+    if st.renewing then
+        return
+    end
+    st.renewing = true
     local res, err = eval(conf, ACQUIRE, 2, st.lease, st.epoch_key,
                           st.token, st.ttl_ms)
+    st.renewing = false
     if not res then
         log_failure(st, "renew the lease", err)
         st.epoch = nil
@@ -222,6 +229,7 @@ function _M.every(timer, opts, callback, ...)
         interval_ms = floor(interval * 1000),
         epoch = nil,
         ran = nil,          -- the last period this worker ran
+        renewing = false,
         logged = 0,
     }
     local ok, err = timer_every(ttl / 3, renew, st)
