@@ -240,3 +240,45 @@ def test_a_stalled_redis_gets_one_renewal_per_worker(redis_factory, nginx):
     # (2 s) and starting again, and the cluster reader's
     assert made <= 12, made
     n.allow_log(r"\[loom.cluster(.timer)?\] ")
+
+
+def test_redis_down_at_the_period_boundary(redis_factory, nginx):
+    """Redis (AOF) stopped just before a period starts and back just
+    after: that period runs, late, once. Stopped for a whole period: that
+    period never runs, the next one does."""
+    r = redis_factory(aof=True)
+    nodes = [start_node(nginx, {"host": "127.0.0.1", "port": r.port},
+                        "n%d" % i, timer=(1, 3, 0)) for i in range(2)]
+    deadline = time.time() + 20
+    while len(runs(nodes)) < 2:
+        assert time.time() < deadline, "the timer never ran"
+        time.sleep(0.05)
+
+    def outage(start, end):
+        time.sleep(max(0, start - time.time()))
+        r.stop()
+        time.sleep(max(0, end - time.time()))
+        r.start()
+        return time.time()
+
+    brief = int(time.time()) + 2            # a period start
+    back = outage(brief - 0.2, brief + 0.3)
+    assert back < brief + 0.9, "Redis took too long to come back"
+    whole = brief + 3
+    back = outage(whole - 0.2, whole + 1.2)
+    assert whole + 1 < back < whole + 1.9, back
+    deadline = time.time() + 10
+    while max(p for _, p, _, _ in runs(nodes)) < whole + 3:
+        assert time.time() < deadline, runs(nodes)
+        time.sleep(0.05)
+    got = runs(nodes)
+    periods = collections.Counter(p for _, p, _, _ in got)
+    print("outages at %d (0.5 s) and %d (1.4 s); ran: %s"
+          % (brief, whole, sorted(periods)))
+    assert [k for k, v in periods.items() if v > 1] == [], got
+    first, last = min(periods), max(periods)
+    assert sorted(periods) == [p for p in range(first, last + 1)
+                               if p != whole], periods
+    for n in nodes:
+        n.allow_log(r"\[loom.cluster(.timer)?\] ")
+        n.allow_log(r"recv\(\) failed \(104: Connection reset by peer\)")

@@ -148,8 +148,10 @@ local function renew(premature, st)
                           st.token, st.ttl_ms)
     st.renewing = false
     if not res then
+        -- the lease may still be this worker's: keep checking periods
+        -- (RUN checks the lease in Redis) so that a holder does not wait
+        -- for its next renewal once Redis is back
         log_failure(st, "renew the lease", err)
-        st.epoch = nil
         return
     end
     st.epoch = type(res) == "number" and res > 0 and res or nil
