@@ -2,6 +2,7 @@
 timer through a Redis lease with a fencing epoch."""
 
 import collections
+import email.utils
 import os
 import signal
 import socket
@@ -9,7 +10,7 @@ import threading
 import time
 
 from clusterconf import (need_redis, redis_factory,  # noqa: F401
-                         start_node, runs)
+                         start_node, runs, need_faketime, FAKETIME)
 
 pytestmark = need_redis
 
@@ -282,3 +283,43 @@ def test_redis_down_at_the_period_boundary(redis_factory, nginx):
     for n in nodes:
         n.allow_log(r"\[loom.cluster(.timer)?\] ")
         n.allow_log(r"recv\(\) failed \(104: Connection reset by peer\)")
+
+
+@need_faketime
+def test_node_clocks_an_hour_apart(redis_factory, nginx):
+    """Node clocks 1 h ahead and 1 h behind (libfaketime): the periods
+    come from Redis's clock, so the lease moving from one to the other
+    neither repeats nor stalls a period."""
+    r = redis_factory()
+    nodes = [start_node(nginx, {"host": "127.0.0.1", "port": r.port},
+                        "n%d" % i, timer=(INTERVAL, TTL, 0),
+                        env={"LD_PRELOAD": FAKETIME, "FAKETIME": skew})
+             for i, skew in enumerate(["+3600", "-3600"])]
+    for n, skew in zip(nodes, [3600, -3600]):     # nginx's own clock
+        date = n.get("/cl/stats").headers["Date"]
+        seen = email.utils.parsedate_to_datetime(date).timestamp()
+        assert abs(seen - time.time() - skew) < 60, (date, skew)
+    deadline = time.time() + 30
+    while len(runs(nodes)) < 10:
+        assert time.time() < deadline, "the timer never ran"
+        time.sleep(0.05)
+    holder = node_of(nodes, runs(nodes)[-1][3])
+    other = [n for n in nodes if n is not holder][0]
+    before = len(runs(nodes))
+    for p in [holder.master_pid] + holder.worker_pids():
+        os.kill(p, signal.SIGKILL)
+    holder.master_pid = None
+    killed_period = max(p for _, p, _, _ in runs(nodes))
+    while len([x for x in runs([other]) if x[1] > killed_period]) < 10:
+        assert time.time() < deadline + 10, runs(nodes)[before:]
+        time.sleep(0.05)
+    got = runs(nodes)
+    periods = collections.Counter(p for _, p, _, _ in got)
+    after = sorted(x[1] for x in runs([other]) if x[1] > killed_period)
+    print("holder killed at period %d; the node an hour apart ran: %s"
+          % (killed_period, after))
+    assert [k for k, v in periods.items() if v > 1] == [], got
+    # from the other node's first run on, every period, in Redis's time
+    assert after == list(range(after[0], after[0] + len(after)))
+    assert after[0] - killed_period <= 2 * TTL / INTERVAL + 1
+    assert abs(after[-1] - time.time() / INTERVAL) < 5
