@@ -323,3 +323,44 @@ def test_node_clocks_an_hour_apart(redis_factory, nginx):
     assert after == list(range(after[0], after[0] + len(after)))
     assert after[0] - killed_period <= 2 * TTL / INTERVAL + 1
     assert abs(after[-1] - time.time() / INTERVAL) < 5
+
+
+def test_lease_lost_to_a_redis_outage_while_the_callback_runs(
+        redis_factory, nginx):
+    """Redis (AOF) goes away for 1.2 s (2 x ttl) while a run's callback
+    is busy: its lease expires, and when it checks its epoch after Redis
+    is back, it is told it is stale; no period runs twice."""
+    r = redis_factory(aof=True)
+    nodes = [start_node(nginx, {"host": "127.0.0.1", "port": r.port},
+                        "n%d" % i, timer=(1, TTL, 2.5)) for i in range(2)]
+    deadline = time.time() + 20
+    victim = None
+    while victim is None:
+        assert time.time() < deadline, "the timer never ran"
+        rs = runs(nodes)
+        fenced = {(x[1], x[3]) for x in rs if x[0] == "fence"}
+        busy = [x for x in rs if x[0] == "run" and (x[1], x[3]) not in fenced]
+        victim = busy[0] if busy else None
+        time.sleep(0.01)
+    r.stop()
+    time.sleep(1.2)
+    r.start()
+    deadline = time.time() + 10
+    mine = []
+    while not mine:
+        assert time.time() < deadline, runs(nodes)
+        mine = [x for x in runs(nodes) if x[0] == "fence"
+                and x[1:4] == victim[1:4]]
+        time.sleep(0.05)
+    deadline = time.time() + 10
+    while not [x for x in runs(nodes) if x[0] == "run" and x[2] > victim[2]]:
+        assert time.time() < deadline, runs(nodes)
+        time.sleep(0.05)
+    got = runs(nodes)
+    print("busy:", victim, "fence:", mine, "runs:", got)
+    assert mine[0][4] == "stale", mine
+    periods = collections.Counter(x[1] for x in got if x[0] == "run")
+    assert [k for k, v in periods.items() if v > 1] == [], got
+    for n in nodes:
+        n.allow_log(r"\[loom.cluster(.timer)?\] ")
+        n.allow_log(r"recv\(\) failed \(104: Connection reset by peer\)")
