@@ -20,6 +20,10 @@ CLI = shutil.which("redis-cli")
 need_redis = pytest.mark.skipif(
     not (REDIS and CLI),
     reason="redis-server/redis-cli missing (Debian package redis-server)")
+FAKETIME = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"
+need_faketime = pytest.mark.skipif(
+    not os.path.exists(FAKETIME),
+    reason="libfaketime missing (Debian package libfaketime)")
 need_sentinel = pytest.mark.skipif(
     not (REDIS and CLI and SENTINEL),
     reason="redis-sentinel missing (Debian package redis-sentinel)")
@@ -154,12 +158,13 @@ def node_conf(opts, worker_extra=""):
 
 
 def start_node(nginx, redis_opts, node_id, workers=2, prefix=None,
-               port=None, timer=None, **extra):
+               port=None, timer=None, env=None, **extra):
     opts = {"redis": redis_opts, "node_id": node_id, "lease_ttl": 1,
             "block": 0.5, "ack_timeout": 2, "claim_idle": 5,
             "backoff_max": 1}
     opts.update(extra)
     n = nginx(workers=workers, start=False, prefix=prefix, port=port,
+              env=env,
               **node_conf(opts, timer and
                           'require("cluster_helper").start_timer(%r, %r, %r)'
                           % timer or ""))
@@ -262,3 +267,20 @@ def wait_tally(nodes, expect, timeout=60, workers=2):
         if lost == 0 or time.time() > deadline:
             return res, lost, dups
         time.sleep(0.2)
+
+
+def runs(nodes):
+    """[(what, period, epoch, pid, rest...)] from every node's timer.log
+    (cluster_helper.start_timer)"""
+    out = []
+    for n in nodes:
+        try:
+            with open(os.path.join(n.prefix, "logs", "timer.log")) as f:
+                for line in f:
+                    p = line.split()
+                    if len(p) >= 4:
+                        out.append((p[0], int(p[1]), int(p[2]), int(p[3]))
+                                   + tuple(p[4:]))
+        except OSError:
+            pass
+    return out

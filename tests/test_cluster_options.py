@@ -107,6 +107,37 @@ def test_groups_of_nodes_that_left_are_removed(redis_factory, nginx):
 
 
 @need_redis
+def test_marks_of_removed_groups_are_kept_group_idle_only(redis_factory,
+                                                          nginx):
+    """<stream>:removed holds the nodes whose group went, for group_idle:
+    nodes that never come back do not pile up there"""
+    r = redis_factory()
+    now_ms = int(time.time() * 1000)
+    old = []
+    for i in range(1000):      # removed 20 s ago (group_idle is 5 s)
+        old += ["old%d" % i, str(now_ms - 20000)]
+    r.cli("HSET", "loom:cluster:removed", *old)
+    r.cli("HSET", "loom:cluster:removed", "recent", str(now_ms))
+    r.cli("XGROUP", "CREATE", "loom:cluster", "gone", "$", "MKSTREAM")
+    r.cli("HSET", "loom:cluster:nodes", "gone", str(now_ms - 10000))
+    n = start_node(nginx, {"host": "127.0.0.1", "port": r.port}, "a",
+                   group_idle=5, claim_idle=1, ack_timeout=0.5)
+    wait_readers([n])
+    deadline = time.time() + 10
+    while stats(n)["groups_removed"] < 1 and time.time() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.6)     # a janitor round (every claim_idle / 2)
+    left = sorted(r.cli("HKEYS", "loom:cluster:removed").split())
+    assert left == ["gone", "recent"]
+    # and those two go once they are group_idle old
+    deadline = time.time() + 15
+    while r.cli("HLEN", "loom:cluster:removed").strip() != "0":
+        assert time.time() < deadline, \
+            r.cli("HGETALL", "loom:cluster:removed")
+        time.sleep(0.2)
+
+
+@need_redis
 def test_one_entries_of_a_dead_node_are_claimed(redis_factory, nginx):
     r = redis_factory()
     r.cli("XGROUP", "CREATE", "loom:cluster:one", "one", "0", "MKSTREAM")

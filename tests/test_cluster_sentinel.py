@@ -1,17 +1,24 @@
 """resty.loom.cluster through Redis Sentinel: 1 master, 1 replica, 3
-Sentinels (real processes); the master is killed mid-stream."""
+Sentinels (real processes); the master is killed mid-stream, or while
+cluster timers run."""
 
+import collections
 import signal
 import threading
 import time
 
 from clusterconf import (need_sentinel, redis_factory,  # noqa: F401
-                         start_node, wait_readers, publish, tally, stats)
+                         start_node, wait_readers, publish, tally, stats,
+                         runs)
 
 pytestmark = need_sentinel
 
+INTERVAL = 0.2
+TTL = 0.6
 
-def test_failover_mid_stream(redis_factory, nginx):
+
+def sentinel_setup(redis_factory):
+    """master, replica (synced), 3 Sentinels and the cluster's redis opts"""
     master = redis_factory(aof=True)
     replica = redis_factory(aof=True, replica_of=master)
     sentinels = [redis_factory(sentinel_of=master) for _ in range(3)]
@@ -23,6 +30,48 @@ def test_failover_mid_stream(redis_factory, nginx):
     conf = {"sentinels": [{"host": "127.0.0.1", "port": s.port}
                           for s in sentinels],
             "master_name": "m", "connect_timeout": 0.2}
+    return master, replica, sentinels, conf
+
+
+def sentinel_lookups(sentinels, since=None):
+    """Connections the Sentinels accepted: a master lookup is one
+    (Sentinel has no commandstats). With since (an earlier result): those
+    made since then, less the one each of these calls made."""
+    total = 0
+    for s in sentinels:
+        for line in s.cli("INFO", "stats").splitlines():
+            if line.startswith("total_connections_received:"):
+                total += int(line.split(":")[1])
+    return total if since is None else total - since - len(sentinels)
+
+
+def wait_sentinels_agree(sentinels, master, timeout=20):
+    """Until every Sentinel names `master` and knows the 2 others (they
+    connect to each other again after a failover, which the lookup count
+    would see)"""
+    deadline = time.time() + timeout
+    while True:
+        ok = True
+        for s in sentinels:
+            addr = s.cli("SENTINEL", "get-master-addr-by-name", "m").split()
+            info = s.cli("SENTINEL", "master", "m").split("\n")
+            others = info[info.index("num-other-sentinels") + 1]
+            ok = ok and addr[1:2] == [str(master.port)] and others == "2"
+        if ok:
+            return
+        assert time.time() < deadline, "the Sentinels do not agree"
+        time.sleep(0.2)
+
+
+def wait_failover(replica, since):
+    while "role:master" not in replica.cli("INFO", "replication"):
+        assert time.time() < since + 30, "no failover"
+        time.sleep(0.1)
+    return time.time() - since
+
+
+def test_failover_mid_stream(redis_factory, nginx):
+    master, replica, sentinels, conf = sentinel_setup(redis_factory)
     nodes = [start_node(nginx, conf, "n%d" % i, when_down="queue")
              for i in range(3)]
     wait_readers(nodes)
@@ -33,11 +82,7 @@ def test_failover_mid_stream(redis_factory, nginx):
     time.sleep(2)
     master.stop(signal.SIGKILL)
     killed_at = time.time()
-    # the Sentinels promote the replica
-    while "role:master" not in replica.cli("INFO", "replication"):
-        assert time.time() < killed_at + 30, "no failover"
-        time.sleep(0.1)
-    promoted = time.time() - killed_at
+    promoted = wait_failover(replica, killed_at)   # the replica promoted
     t.join()
     assert out[0]["ok"] == 10000, out
     expect = {("f", s) for s in range(1, 10001)}
@@ -66,3 +111,97 @@ def test_failover_mid_stream(redis_factory, nginx):
         n.allow_log(r"\[loom.cluster\] (reader|failed to send)")
         # nginx's own line for the killed master's connection
         n.allow_log(r"recv\(\) failed \(104: Connection reset by peer\)")
+
+
+def test_timers_ask_the_sentinels_only_when_the_master_fails(
+        redis_factory, nginx):
+    """Cluster timers on 2 nodes x 2 workers (each worker renews or checks
+    its lease every ttl/3): the master's address is asked once per worker,
+    not per Redis call; a failover is followed, each period runs once."""
+    master, replica, sentinels, conf = sentinel_setup(redis_factory)
+    nodes = [start_node(nginx, conf, "n%d" % i, timer=(INTERVAL, TTL, 0))
+             for i in range(2)]
+    deadline = time.time() + 20
+    while len(runs(nodes)) < 5:
+        assert time.time() < deadline, "the timer never ran"
+        time.sleep(0.1)
+    # over 20 periods, with every worker connected already
+    wait_sentinels_agree(sentinels, master)
+    time.sleep(1)
+    before, first = sentinel_lookups(sentinels), len(runs(nodes))
+    time.sleep(20 * INTERVAL)
+    steady = sentinel_lookups(sentinels, before)
+    ran = len(runs(nodes)) - first
+    print("Sentinel lookups over %d runs: %d" % (ran, steady))
+    assert ran >= 10
+    assert steady == 0
+
+    master.stop(signal.SIGKILL)
+    killed_at = time.time()
+    promoted = wait_failover(replica, killed_at)
+    # runs on the new master: 20 periods after the failover
+    after_at = time.time()
+    wait_sentinels_agree(sentinels, replica)
+    time.sleep(1)
+    mark = sentinel_lookups(sentinels)
+    time.sleep(20 * INTERVAL)
+    settled = sentinel_lookups(sentinels, mark)
+    all_runs = runs(nodes)
+    periods = collections.Counter(p for _, p, _, _ in all_runs)
+    late = sorted(p for p in periods
+                  if p >= int((after_at + 1) / INTERVAL))
+    print("failover after %.1f s; runs after it: %d; Sentinel lookups "
+          "in the 20 periods after: %d" % (promoted, len(late), settled))
+    assert [k for k, v in periods.items() if v > 1] == [], all_runs
+    assert len(late) >= 15 and late == list(range(late[0], late[-1] + 1)), \
+        late
+    assert settled == 0
+    for n in nodes:
+        # the killed master's connections, and the reader's retry
+        n.allow_log(r"\[loom.cluster(.timer)?\] ")
+        n.allow_log(r"recv\(\) failed \(104: Connection reset by peer\)")
+
+
+def eval_calls(r):
+    """EVALs the server ran (refused ones are counted apart, in
+    rejected_calls)"""
+    for line in r.cli("INFO", "commandstats").splitlines():
+        if line.startswith("cmdstat_eval:"):
+            return int(line.split("calls=")[1].split(",")[0])
+    return 0
+
+
+def test_timers_never_write_to_a_demoted_master(redis_factory, nginx):
+    """SENTINEL FAILOVER: the old master lives on as a replica. The
+    workers' cached address and pooled connections point at it: they
+    must move to the new master and run nothing on the old one."""
+    master, replica, sentinels, conf = sentinel_setup(redis_factory)
+    nodes = [start_node(nginx, conf, "n%d" % i, timer=(INTERVAL, TTL, 0))
+             for i in range(2)]
+    deadline = time.time() + 20
+    while len(runs(nodes)) < 5:
+        assert time.time() < deadline, "the timer never ran"
+        time.sleep(0.1)
+    wait_sentinels_agree(sentinels, master)
+    sentinels[0].cli("SENTINEL", "FAILOVER", "m")
+    since = time.time()
+    while "role:slave" not in master.cli("INFO", "replication"):
+        assert time.time() < since + 30, "the master was not demoted"
+        time.sleep(0.05)
+    demoted_at = time.time()
+    ran_on_old = eval_calls(master)
+    time.sleep(1 + 20 * INTERVAL)
+    after = eval_calls(master) - ran_on_old
+    all_runs = runs(nodes)
+    periods = collections.Counter(p for _, p, _, _ in all_runs)
+    late = sorted(p for p in periods if p >= int((demoted_at + 1)
+                                                 / INTERVAL))
+    print("demoted after %.1f s; EVALs run on it since: %d; runs after: %d"
+          % (demoted_at - since, after, len(late)))
+    assert after == 0
+    assert [k for k, v in periods.items() if v > 1] == [], all_runs
+    assert len(late) >= 15 and late == list(range(late[0], late[-1] + 1)), \
+        late
+    for n in nodes:
+        # connections the Sentinel closed on the demoted master
+        n.allow_log(r"\[loom.cluster(.timer)?\] ")

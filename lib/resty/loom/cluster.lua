@@ -747,14 +747,26 @@ local function redis_ms(red)
 end
 
 
--- heartbeat in <stream>:nodes (Redis's clock), and removal of the groups
--- of nodes silent for group_idle
+-- heartbeat in <stream>:nodes (Redis's clock), removal of the groups of
+-- nodes silent for group_idle, and of the marks in <stream>:removed older
+-- than group_idle: a node back after that is a new node (it resyncs only
+-- if its shared dict remembers the group)
 local function maintain(self, red)
     local now, err = redis_ms(red)
     if not now then
         return nil, err
     end
     red:hset(self.nodes_key, self.node_id, now)
+    local removed_key = self.stream .. ":removed"
+    local marks = red:hgetall(removed_key)
+    if type(marks) == "table" then
+        for i = 1, #marks - 1, 2 do
+            local at = tonumber(marks[i + 1])
+            if not at or now - at > self.group_idle * 1000 then
+                red:hdel(removed_key, marks[i])
+            end
+        end
+    end
     local all = red:hgetall(self.nodes_key)
     if type(all) ~= "table" then
         return true
@@ -767,7 +779,7 @@ local function maintain(self, red)
             red:xgroup("DESTROY", self.stream, node)
             red:xgroup("DELCONSUMER", self.stream_one, "one", node)
             red:hdel(self.nodes_key, node)
-            red:hset(self.stream .. ":removed", node, now)
+            red:hset(removed_key, node, now)
             count(self, "groups_removed")
             ngx_log(ngx_NOTICE, LOG_TAG, "removed the group of node ", node,
                     ", silent for ", floor((now - seen) / 1000), " s")

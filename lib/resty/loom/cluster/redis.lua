@@ -1,6 +1,9 @@
 -- Connections to the cluster's Redis master: directly, or found through
 -- Sentinel (ask each Sentinel in turn, promote the one that answered, and
--- check ROLE on the address it gave: a demoted master is never written to).
+-- check ROLE on every new connection: a demoted master is never written
+-- to). The master's address is kept in the worker's copy of the conf and
+-- asked again only when it fails: a refused connection, a ROLE that is not
+-- master, a socket error or a READONLY/MASTERDOWN reply (see failed()).
 -- Also the validation of the `redis` option and the reconnect backoff, which
 -- the cluster bus and the cluster timers share.
 
@@ -18,6 +21,7 @@ local tostring = tostring
 local error = error
 local pairs = pairs
 local floor = math.floor
+local str_find = string.find
 
 local REDIS_KEYS = {
     host = true, port = true, sentinels = true, master_name = true,
@@ -149,24 +153,23 @@ local function discover(conf)
 end
 
 
--- connect(conf, read_timeout_s) -> red | nil, err
--- read_timeout: seconds for every later reply (longer than any BLOCK)
-function _M.connect(conf, read_timeout)
-    local host, port = conf.host, conf.port
-    if conf.sentinels then
-        local err
-        host, port, err = discover(conf)
-        if not host then
-            return nil, err
-        end
-    end
+-- a new connection to host:port, ready for commands; pooled ones were
+-- made ready (and checked) when they were new
+local function open(conf, host, port, read_timeout)
     local red = redis:new()
     red:set_timeout(conf.connect_timeout * 1000)
-    local ok, err = red:connect(host, port)
+    -- a pool of our own: its connections are authenticated, on conf.db,
+    -- and were a master when made
+    local ok, err = red:connect(host, port, {
+        pool = "loom.cluster:" .. host .. ":" .. port .. ":" .. conf.db,
+    })
     if not ok then
         return nil, host .. ":" .. port .. ": " .. tostring(err)
     end
     red:set_timeout(read_timeout * 1000)
+    if red:get_reused_times() > 0 then
+        return red
+    end
     if conf.password then
         ok, err = red:auth(conf.password)
         if not ok then
@@ -192,6 +195,54 @@ function _M.connect(conf, read_timeout)
         end
     end
     return red
+end
+
+
+-- connect(conf, read_timeout_s) -> red | nil, err
+-- read_timeout: seconds for every later reply (longer than any BLOCK).
+-- Give a connection back with set_keepalive only after a reply that was
+-- not an error; after an error, close it and call failed().
+function _M.connect(conf, read_timeout)
+    if not conf.sentinels then
+        return open(conf, conf.host, conf.port, read_timeout)
+    end
+    local host, port = conf.master_host, conf.master_port
+    if host then
+        local red = open(conf, host, port, read_timeout)
+        if red then
+            return red
+        end
+        conf.master_host = nil      -- failed: ask the Sentinels again
+    end
+    local err
+    host, port, err = discover(conf)
+    if not host then
+        return nil, err
+    end
+    local red
+    red, err = open(conf, host, port, read_timeout)
+    if red then
+        conf.master_host, conf.master_port = host, port
+    end
+    return red, err
+end
+
+
+-- after a command on a connection from connect() failed (res, err: what
+-- it returned): forgets the master's address when the error says it may
+-- no longer be the master. Returns true if it did.
+function _M.failed(conf, res, err)
+    if not conf.master_host then
+        return false
+    end
+    -- nil: the socket (closed, timeout); false: an error reply
+    if res == nil or str_find(tostring(err), "^READONLY")
+       or str_find(tostring(err), "^MASTERDOWN")
+    then
+        conf.master_host = nil
+        return true
+    end
+    return false
 end
 
 

@@ -31,12 +31,16 @@ local OPTS = {
     max_run_time = true,
 }
 
+-- The scripts start with "#!lua" (no flags): Redis then refuses them on
+-- a replica with READONLY before they run, reads included, so a demoted
+-- master found in the pool is never used.
+
 -- KEYS: lease, epoch; ARGV: token, ttl ms. Returns the holder's epoch,
 -- or 0 when another holds the lease.
-local ACQUIRE = [[
+local ACQUIRE = [[#!lua
 if redis.call('GET', KEYS[1]) == ARGV[1] then
     redis.call('PEXPIRE', KEYS[1], ARGV[2])
-    return tonumber(redis.call('GET', KEYS[2]))
+    return tonumber(redis.call('GET', KEYS[2])) or redis.call('INCR', KEYS[2])
 end
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
     return redis.call('INCR', KEYS[2])
@@ -46,22 +50,31 @@ return 0
 
 -- KEYS: lease, epoch, last period; ARGV: token, interval ms.
 -- Returns { epoch, period } when this holder is to run the period now,
--- { 0, 0 } when it does not hold the lease, { -1, 0 } when it ran already.
-local RUN = [[
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+-- { 0, 0 } when it does not hold the lease, { -1, 0 } when another
+-- holder ran it. The last period key holds "<period> <token>": the
+-- holder that took a period gets it again (its reply may have been lost
+-- on the way) and runs it if it has not yet (st.ran).
+local RUN = [[#!lua
+local epoch = tonumber(redis.call('GET', KEYS[2]))
+if redis.call('GET', KEYS[1]) ~= ARGV[1] or not epoch then
     return { 0, 0 }
 end
 local t = redis.call('TIME')
 local k = math.floor((t[1] * 1000 + math.floor(t[2] / 1000)) / ARGV[2])
-if k <= tonumber(redis.call('GET', KEYS[3]) or -1) then
+local last, by = string.match(redis.call('GET', KEYS[3]) or '-1',
+                              '^(%-?%d+) ?(.*)$')
+last = tonumber(last) or -1
+if k < last or (k == last and by ~= ARGV[1]) then
     return { -1, 0 }
 end
-redis.call('SET', KEYS[3], k)
-return { tonumber(redis.call('GET', KEYS[2])), k }
+if k > last then
+    redis.call('SET', KEYS[3], k .. ' ' .. ARGV[1])
+end
+return { epoch, k }
 ]]
 
 -- KEYS: lease; ARGV: token
-local RELEASE = [[
+local RELEASE = [[#!lua
 if redis.call('GET', KEYS[1]) == ARGV[1] then
     return redis.call('DEL', KEYS[1])
 end
@@ -69,7 +82,7 @@ return 0
 ]]
 
 -- KEYS: epoch; ARGV: epoch
-local FENCE = [[
+local FENCE = [[#!lua
 return tonumber(redis.call('GET', KEYS[1]) or 0) == tonumber(ARGV[1])
        and 1 or 0
 ]]
@@ -80,19 +93,30 @@ local _M = { _VERSION = "0.2.0" }
 local by_name = {}      -- name -> timer state, for fence()
 
 
+-- runs a script on the master; once more on a new connection when a
+-- pooled one failed or the master moved (running a script twice never
+-- runs a period twice)
 local function eval(conf, script, nkeys, ...)
-    local red, err = rconn.connect(conf, 2)
-    if not red then
-        return nil, err
-    end
-    local res
-    res, err = red:eval(script, nkeys, ...)
-    if res == nil then
+    local res, err
+    for _ = 1, 2 do
+        local red
+        red, err = rconn.connect(conf, 2)
+        if not red then
+            return nil, err
+        end
+        local reused = red:get_reused_times() > 0
+        res, err = red:eval(script, nkeys, ...)
+        if res ~= nil and res ~= false then
+            red:set_keepalive(POOL_IDLE, POOL_SIZE)
+            return res
+        end
         red:close()
-        return nil, err
+        if not rconn.failed(conf, res, err) and not (reused and res == nil)
+        then
+            break
+        end
     end
-    red:set_keepalive(POOL_IDLE, POOL_SIZE)
-    return res
+    return nil, err
 end
 
 
@@ -114,14 +138,23 @@ local function renew(premature, st)
         end
         return
     end
-    local res, err = eval(conf, ACQUIRE, 2, st.lease, st.epoch_key,
-                          st.token, st.ttl_ms)
-    if not res then
-        log_failure(st, "renew the lease", err)
-        st.epoch = nil
+    -- ngx.timer.every does not wait for the last run: while Redis is slow
+    -- to answer, one renewal at a time
+    if st.renewing then
         return
     end
-    st.epoch = res > 0 and res or nil
+    st.renewing = true
+    local res, err = eval(conf, ACQUIRE, 2, st.lease, st.epoch_key,
+                          st.token, st.ttl_ms)
+    st.renewing = false
+    if not res then
+        -- the lease may still be this worker's: keep checking periods
+        -- (RUN checks the lease in Redis) so that a holder does not wait
+        -- for its next renewal once Redis is back
+        log_failure(st, "renew the lease", err)
+        return
+    end
+    st.epoch = type(res) == "number" and res > 0 and res or nil
 end
 
 
@@ -135,11 +168,12 @@ local function tick(premature, st, callback, ...)
         log_failure(st, "check the period", err)
         return
     end
-    local epoch = res[1]
+    local epoch, period = res[1], res[2]
     if epoch == 0 then
         st.epoch = nil              -- the lease went to another worker
-    elseif epoch > 0 then
-        return callback(false, epoch, res[2], ...)
+    elseif epoch > 0 and period ~= st.ran then
+        st.ran = period
+        return callback(false, epoch, period, ...)
     end
 end
 
@@ -196,6 +230,8 @@ function _M.every(timer, opts, callback, ...)
         ttl_ms = floor(ttl * 1000),
         interval_ms = floor(interval * 1000),
         epoch = nil,
+        ran = nil,          -- the last period this worker ran
+        renewing = false,
         logged = 0,
     }
     local ok, err = timer_every(ttl / 3, renew, st)
