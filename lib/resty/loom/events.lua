@@ -12,6 +12,7 @@ local fifo = require "resty.loom.events.fifo"
 local ring = require "resty.loom.events.ring"
 local broker = require "resty.loom.events.broker"
 local histogram = require "resty.loom.histogram"
+local at_close = require "resty.loom.at_close"
 local yield = require("resty.loom.yield").yield
 local on_error = require("resty.loom.error_handler").handler
 
@@ -181,6 +182,8 @@ local mt = { __index = _M }
 
 local default_bus
 local collectors = {}
+-- every bus of this process that init_worker() started, for exit_worker()
+local living = setmetatable({}, { __mode = "k" })
 
 
 local function check_opts(opts)
@@ -311,6 +314,8 @@ function _M.new(opts)
         stamp_ms = 0,               -- ngx.now() of the last latency sample
         last_publish = 0,           -- ngx.now() of the last publish
         stopping = false,           -- exiting: the bus has closed
+        exit_counted = false,       -- exit_watch counted what was pending
+        left_counted = false,       -- the worker stops: the rest counted
 
         -- receiving
         inbox = ring.new(),         -- events for the handlers
@@ -1331,6 +1336,7 @@ local function exit_watch(premature, self)
         ngx_sleep(0.01)
     end
     self.stopping = true
+    self.exit_counted = true
     if self.pending > 0 then
         count(self.counters.dropped, "exit", self.pending)
         log(WARN, "worker exiting with ", self.pending,
@@ -1339,6 +1345,60 @@ local function exit_watch(premature, self)
     release_held(self)
     self.wsema:post(1)
     self.isema:post(1)
+end
+
+
+-- The worker stops (its Lua VM closes next): counts, once, what the bus
+-- will never deliver. Returns the events published and not sent, sent
+-- and not acknowledged by the broker (both unless exit_watch counted them
+-- already: the rest of a graceful exit), received (or published to this
+-- worker) and not handled.
+local function count_left(self)
+    if self.left_counted then
+        return 0, 0, 0
+    end
+    self.left_counted = true
+    self.stopping = true
+    local unsent, unacked = 0, 0
+    if not self.exit_counted then
+        unsent = self.unsent_q:len()
+        unacked = self.pending - unsent
+    end
+    local unhandled = inbox_len(self)
+    local own = self.own
+    while own.n > 0 do
+        -- (copies of events to this worker published behind unsent
+        -- ones: the other copies are of events counted as not sent)
+        if own:pop() % 1 ~= 0 then
+            unhandled = unhandled + 1
+        end
+    end
+    local dropped = self.counters.dropped
+    if unsent + unacked > 0 then
+        count(dropped, "exit", unsent + unacked)
+    end
+    if unhandled > 0 then
+        count(dropped, "not handled", unhandled)
+    end
+    return unsent, unacked, unhandled
+end
+
+
+-- at VM close (see resty.loom.at_close): what no exit_worker() reported
+local function unreported_at_close()
+    local unsent, unacked, unhandled = 0, 0, 0
+    for bus in pairs(living) do
+        local u, a, h = count_left(bus)
+        unsent, unacked, unhandled = unsent + u, unacked + a, unhandled + h
+    end
+    local lost = unsent + unacked + unhandled
+    if lost > 0 then
+        return "warn", "[loom.events] " .. lost .. " event(s) lost at "
+               .. "worker exit without a report (" .. unsent .. " not sent, "
+               .. unacked .. " not acknowledged, " .. unhandled
+               .. " not handled): call require(\"resty.loom.events\")"
+               .. ".exit_worker() in exit_worker_by_lua_block"
+    end
 end
 
 
@@ -1396,6 +1456,29 @@ function _M.init_worker(self)
         return nil, "failed to start the exit watch: " .. err
     end
     self.initialized = true
+    living[self] = true
+    at_close.register(unreported_at_close)
+    return true
+end
+
+
+-- events.exit_worker(), in exit_worker_by_lua*: a fast stop (SIGTERM,
+-- SIGINT, nginx -s stop) runs no timer and no cosocket, so this is the
+-- only code of the bus that runs then. Counts and logs what each bus of
+-- the worker will never deliver; after a graceful exit, what it could not
+-- (a stuck handler). Nothing once everything was delivered.
+function _M.exit_worker()
+    for bus in pairs(living) do
+        local unsent, unacked, unhandled = count_left(bus)
+        local lost = unsent + unacked + unhandled
+        if lost > 0 then
+            log(WARN, "worker stopping: ", lost, " event(s) lost: ", unsent,
+                " published and not sent, ", unacked, " sent and not "
+                .. "acknowledged by the broker (some may have reached "
+                .. "their workers), ", unhandled, " received and not "
+                .. "handled")
+        end
+    end
     return true
 end
 
