@@ -599,8 +599,9 @@ def test_quit_right_after_start_logs_no_error(nginx):
     then closed its listener: the kernel reset the others (`recv() failed
     (104: Connection reset by peer)`, in 3 of 40 such starts). Four
     starts, each sent QUIT once the master wrote its pid. (Not closed: a
-    worker preempted between its check of the file and its connect() can
-    still meet the removal; 1 of about 170 starts here: so the test
+    client that connected just before the broker closed its listener can
+    still meet the reset, 3 of 100 starts here; the connect() to a removed
+    file can no longer log, test_events_stop.py forces it. So the test
     counts, over ten starts, the starts whose log has such a line, and
     fails from three on; before the fixes 4 of 5 starts had one.)"""
     bad = []

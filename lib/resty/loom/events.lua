@@ -15,6 +15,7 @@ local histogram = require "resty.loom.histogram"
 local at_close = require "resty.loom.at_close"
 local yield = require("resty.loom.yield").yield
 local on_error = require("resty.loom.error_handler").handler
+local get_request = require("resty.core.base").get_request
 
 local unique_target = broker.unique_target
 
@@ -47,6 +48,7 @@ local max = math.max
 local huge = math.huge
 local co_running = coroutine.running
 
+local ALERT = ngx.ALERT
 local ERR = ngx.ERR
 local WARN = ngx.WARN
 
@@ -138,11 +140,10 @@ int ngx_loom_ffi_pin_listener(const unsigned char *path, size_t len,
 int ngx_loom_ffi_prepare_socket(const unsigned char *path, size_t len,
     char **err);
 long getrandom(void *buf, size_t len, unsigned int flags);
-int access(const char *path, int mode);
+int ngx_loom_ffi_connection_log_level(void *r, int level);
 ]]
 
 local CLOCK_MONOTONIC = 1
-local F_OK = 0
 local ts = ffi.new("loom_timespec_t")
 local errmsg = ffi.new("char *[1]")
 local matched = ffi.new("int[1]")
@@ -1068,15 +1069,20 @@ end
 
 
 local function handshake(self, sock, lane)
-    local path = self.opts.socket
-    if C.access(path, F_OK) ~= 0 then
-        -- nginx's master removes the socket file as soon as it has told
-        -- the workers to quit, and a connect() to it then would log at
-        -- [crit]: a worker starting (or reconnecting) meanwhile finds no
-        -- broker, which is no error
-        return nil, "failed to connect: no such file or directory"
+    -- nginx's master removes the socket file as soon as it has told the
+    -- workers to quit, and nginx logs a connect() to it then at [crit]
+    -- (ENOENT), whenever the file was last seen: a worker starting (or
+    -- reconnecting) meanwhile finds no broker, which is no error. So
+    -- nginx's own line is held back (the timer's connection has a log of
+    -- its own; a connect() to a UNIX socket never waits) and the caller
+    -- says what a failure means.
+    local r = get_request()
+    local level = r and C.ngx_loom_ffi_connection_log_level(r, ALERT)
+                  or -1
+    local ok, err = sock:connect("unix:" .. self.opts.socket)
+    if level >= 0 then
+        C.ngx_loom_ffi_connection_log_level(r, level)
     end
-    local ok, err = sock:connect("unix:" .. path)
     if not ok then
         return nil, "failed to connect: " .. err
     end
