@@ -218,3 +218,4 @@ def test_quit_meeting_a_connect_logs_no_error(nginx):
         n.quit()
         log = n.error_log()
         assert not re.search(r"\[(error|crit|alert|emerg)\]", log), log
+

@@ -1068,21 +1068,8 @@ local function requeue_unacked(self)
 end
 
 
-local function handshake(self, sock, lane)
-    -- nginx's master removes the socket file as soon as it has told the
-    -- workers to quit, and nginx logs a connect() to it then at [crit]
-    -- (ENOENT), whenever the file was last seen: a worker starting (or
-    -- reconnecting) meanwhile finds no broker, which is no error. So
-    -- nginx's own line is held back (the timer's connection has a log of
-    -- its own; a connect() to a UNIX socket never waits) and the caller
-    -- says what a failure means.
-    local r = get_request()
-    local level = r and C.ngx_loom_ffi_connection_log_level(r, ALERT)
-                  or -1
+local function talk(self, sock, lane)
     local ok, err = sock:connect("unix:" .. self.opts.socket)
-    if level >= 0 then
-        C.ngx_loom_ffi_connection_log_level(r, level)
-    end
     if not ok then
         return nil, "failed to connect: " .. err
     end
@@ -1147,6 +1134,31 @@ local function handshake(self, sock, lane)
         return nil, "bad welcome"
     end
     return true
+end
+
+
+-- Connects sock to the broker and says hello. A quit makes nginx log
+-- what it does to a connection on its way: its master removes the socket
+-- file as soon as it has told the workers to quit (a connect() to it then
+-- is logged at [crit], ENOENT, whenever the client last saw the file),
+-- and the kernel resets the connections still queued when the broker
+-- closes its listener (a read then logs [error]). A worker starting (or
+-- reconnecting) meanwhile finds no broker, which is no error: nginx's
+-- own lines about the connection are held back until the broker welcomed
+-- it (the caller's timer runs nothing else meanwhile, and its connection
+-- has a log of its own), and the caller says what a failure means.
+local function handshake(self, sock, lane)
+    local r = get_request()
+    local level = r and C.ngx_loom_ffi_connection_log_level(r, ALERT)
+                  or -1
+    local ok, a, b, c = pcall(talk, self, sock, lane)
+    if level >= 0 then
+        C.ngx_loom_ffi_connection_log_level(r, level)
+    end
+    if not ok then
+        error(a, 0)
+    end
+    return a, b, c
 end
 
 
@@ -1232,6 +1244,20 @@ local function run_lane(self, lane)
 end
 
 
+-- The lane runs in a timer of its own, so that its handshake holds back
+-- nginx's lines about its own connection only (see handshake).
+local function lane_timer(premature, self, lane)
+    if not premature then
+        local ok, err = pcall(run_lane, self, lane)
+        if not ok then
+            log(ERR, "the lane failed: ", err)
+        end
+    end
+    lane.ended = true
+    lane.done:post(1)
+end
+
+
 local function client_loop(premature, self)
     if premature then
         return
@@ -1258,14 +1284,17 @@ local function client_loop(premature, self)
             requeue_unacked(self)
             local link = { closed = false, error = nil, got = 0, acked = 0 }
             local wt = spawn(writer, self, sock, link)
-            local lane = { closed = false, sema = semaphore.new() }
-            local lt = spawn(run_lane, self, lane)
+            local lane = { closed = false, sema = semaphore.new(),
+                           ended = false, done = semaphore.new() }
+            local lane_started = timer_at(0, lane_timer, self, lane)
             local rok, rerr = reader(self, sock, link)
             link.closed = true
             self.wsema:post(1)
             lane.closed = true
             lane.sema:post(1)
-            ngx.thread.wait(lt)
+            while lane_started and not lane.ended do
+                lane.done:wait(1)
+            end
             -- a writer stuck in a send to a dead broker is stopped here;
             -- what it was sending is still in unacked and goes again
             kill(wt)
