@@ -1387,17 +1387,24 @@ end
 -- will never deliver. Returns the events published and not sent, sent
 -- and not acknowledged by the broker (both unless exit_watch counted them
 -- already: the rest of a graceful exit), received (or published to this
--- worker) and not handled.
+-- worker) and not handled, and held by the broker in this worker for
+-- others that no publisher counts (see broker.count_left).
 local function count_left(self)
     if self.left_counted then
-        return 0, 0, 0
+        return 0, 0, 0, 0
     end
     self.left_counted = true
     self.stopping = true
     local unsent, unacked = 0, 0
     if not self.exit_counted then
         unsent = self.unsent_q:len()
-        unacked = self.pending - unsent
+        if self.worker == self.opts.broker then
+            -- what the broker has not taken yet of the batch it is
+            -- taking (the rest is in its queues)
+            unacked = frame.count_events(self.spare:ref())
+        else
+            unacked = self.pending - unsent
+        end
     end
     local unhandled = inbox_len(self)
     local own = self.own
@@ -1415,24 +1422,26 @@ local function count_left(self)
     if unhandled > 0 then
         count(dropped, "not handled", unhandled)
     end
-    return unsent, unacked, unhandled
+    return unsent, unacked, unhandled, broker.count_left(self)
 end
 
 
 -- at VM close (see resty.loom.at_close): what no exit_worker() reported
 local function unreported_at_close()
-    local unsent, unacked, unhandled = 0, 0, 0
+    local unsent, unacked, unhandled, held = 0, 0, 0, 0
     for bus in pairs(living) do
-        local u, a, h = count_left(bus)
-        unsent, unacked, unhandled = unsent + u, unacked + a, unhandled + h
+        local u, a, h, b = count_left(bus)
+        unsent, unacked = unsent + u, unacked + a
+        unhandled, held = unhandled + h, held + b
     end
-    local lost = unsent + unacked + unhandled
+    local lost = unsent + unacked + unhandled + held
     if lost > 0 then
         return "warn", "[loom.events] " .. lost .. " event(s) lost at "
                .. "worker exit without a report (" .. unsent .. " not sent, "
                .. unacked .. " not acknowledged, " .. unhandled
-               .. " not handled): call require(\"resty.loom.events\")"
-               .. ".exit_worker() in exit_worker_by_lua_block"
+               .. " not handled, " .. held .. " held by the broker): call "
+               .. "require(\"resty.loom.events\").exit_worker() in "
+               .. "exit_worker_by_lua_block"
     end
 end
 
@@ -1504,14 +1513,15 @@ end
 -- (a stuck handler). Nothing once everything was delivered.
 function _M.exit_worker()
     for bus in pairs(living) do
-        local unsent, unacked, unhandled = count_left(bus)
-        local lost = unsent + unacked + unhandled
+        local unsent, unacked, unhandled, held = count_left(bus)
+        local lost = unsent + unacked + unhandled + held
         if lost > 0 then
             log(WARN, "worker stopping: ", lost, " event(s) lost: ", unsent,
                 " published and not sent, ", unacked, " sent and not "
                 .. "acknowledged by the broker (some may have reached "
                 .. "their workers), ", unhandled, " received and not "
-                .. "handled")
+                .. "handled, ", held, " held by the broker for other "
+                .. "workers (some may have reached them)")
         end
     end
     return true

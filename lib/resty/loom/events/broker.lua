@@ -1153,6 +1153,28 @@ function _M.detach_local(bus, c)
 end
 
 
+-- The worker stops (a fast stop, or the end of a graceful one): counts
+-- as dropped ("exit") and returns the events the broker holds that no
+-- publisher reports: its own worker's (handed over, never acknowledged)
+-- and, for a worker not connected, everyone's (acknowledged already).
+-- What others published for a connected worker they count themselves.
+function _M.count_left(bus)
+    local b = bus.broker_state
+    if not b then
+        return 0
+    end
+    local held = 0
+    for _, q in pairs(b.queues) do
+        local p, n = q.buf:ref()
+        held = held + frame.count_events(p, n, q.conn and bus.worker or nil)
+    end
+    if held > 0 then
+        count(b.stats.dropped, "exit", held)
+    end
+    return held
+end
+
+
 -- Workers connected over the socket (the broker worker's own link is not).
 function _M.peers(bus)
     local b = bus.broker_state
