@@ -25,7 +25,7 @@ local _M = { _VERSION = "0.2.0" }
 
 local checks = {}       -- in registration order
 local registered = {}   -- check -> true
-local sentinel          -- its finalizer runs the checks
+local sentinel          -- its finalizer runs the checks (see renew)
 
 
 local function run_checks()
@@ -42,6 +42,25 @@ local function run_checks()
 end
 
 
+local function finalize(proxy)
+    -- (a sentinel that renew() replaced does nothing)
+    if proxy == sentinel then
+        run_checks()
+    end
+end
+
+
+-- Makes the sentinel anew. LuaJIT finalizes the newest userdata first
+-- when it closes the VM, and a string.buffer's finalizer empties it: a
+-- check that reads buffers made after the sentinel would find them
+-- empty. A module calls this after making such a buffer.
+function _M.renew()
+    local proxy = newproxy(true)
+    getmetatable(proxy).__gc = finalize
+    sentinel = proxy
+end
+
+
 -- Registers check(), run when this process closes its Lua VM. It returns
 -- nothing, or an nginx log level name ("error", "warn") and the text of
 -- the line to log. Registering the same check again does nothing.
@@ -55,8 +74,7 @@ function _M.register(check)
     registered[check] = true
     checks[#checks + 1] = check
     if not sentinel then
-        sentinel = newproxy(true)
-        getmetatable(sentinel).__gc = run_checks
+        _M.renew()
     end
 end
 

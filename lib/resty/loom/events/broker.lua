@@ -17,6 +17,7 @@ local ring = require "resty.loom.events.ring"
 local semaphore = require "ngx.semaphore"
 local clear = require "table.clear"
 local yield = require("resty.loom.yield").yield
+local at_close = require "resty.loom.at_close"
 
 local C = ffi.C
 local ffi_string = ffi.string
@@ -140,6 +141,9 @@ local function queue(b, wid)
             writer_sema = semaphore.new(),
         }
         b.queues[wid] = q
+        -- (what the queue holds is counted when the worker stops, also
+        -- at VM close: see at_close.renew)
+        at_close.renew()
     end
     return q
 end
