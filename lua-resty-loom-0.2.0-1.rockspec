@@ -42,6 +42,7 @@ build = {
    install = {
       lib = { ngx_loom_module = "build/ngx_loom_module.so" },
       lua = {
+         ["resty.loom.at_close"] = "lib/resty/loom/at_close.lua",
          ["resty.loom.cluster"] = "lib/resty/loom/cluster.lua",
          ["resty.loom.cluster.marks"] = "lib/resty/loom/cluster/marks.lua",
          ["resty.loom.cluster.redis"] = "lib/resty/loom/cluster/redis.lua",

@@ -38,6 +38,7 @@ long long ngx_loom_ffi_generation(void);
 int ngx_loom_ffi_worker(void);
 int ngx_loom_ffi_is_sibling(int pid);
 int ngx_loom_ffi_prepare_socket(const u_char *path, size_t len, char **err);
+int ngx_loom_ffi_connection_log_level(ngx_http_request_t *r, int level);
 
 
 enum {
@@ -489,6 +490,37 @@ ngx_loom_ffi_is_sibling(int pid)
     }
 
     return ppid == (long) getppid();
+}
+
+
+/*
+ * Sets the level of the log of r's connection and returns the previous
+ * one; -1, changing nothing, when that log is the cycle's. A Lua timer's
+ * fake connection has a log of its own: the events client lowers it
+ * around a connect() to the broker's socket, which nginx itself logs at
+ * [crit] when the master has just removed the socket file (a quit), and
+ * says what a failure means instead.
+ */
+int
+ngx_loom_ffi_connection_log_level(ngx_http_request_t *r, int level)
+{
+    ngx_uint_t  old;
+    ngx_log_t  *log;
+
+    if (r == NULL || r->connection == NULL) {
+        return -1;
+    }
+
+    log = r->connection->log;
+
+    if (log == NULL || log == ngx_cycle->log) {
+        return -1;
+    }
+
+    old = log->log_level;
+    log->log_level = (ngx_uint_t) level;
+
+    return (int) old;
 }
 
 

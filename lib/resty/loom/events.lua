@@ -12,8 +12,10 @@ local fifo = require "resty.loom.events.fifo"
 local ring = require "resty.loom.events.ring"
 local broker = require "resty.loom.events.broker"
 local histogram = require "resty.loom.histogram"
+local at_close = require "resty.loom.at_close"
 local yield = require("resty.loom.yield").yield
 local on_error = require("resty.loom.error_handler").handler
+local get_request = require("resty.core.base").get_request
 
 local unique_target = broker.unique_target
 
@@ -46,6 +48,7 @@ local max = math.max
 local huge = math.huge
 local co_running = coroutine.running
 
+local ALERT = ngx.ALERT
 local ERR = ngx.ERR
 local WARN = ngx.WARN
 
@@ -137,11 +140,10 @@ int ngx_loom_ffi_pin_listener(const unsigned char *path, size_t len,
 int ngx_loom_ffi_prepare_socket(const unsigned char *path, size_t len,
     char **err);
 long getrandom(void *buf, size_t len, unsigned int flags);
-int access(const char *path, int mode);
+int ngx_loom_ffi_connection_log_level(void *r, int level);
 ]]
 
 local CLOCK_MONOTONIC = 1
-local F_OK = 0
 local ts = ffi.new("loom_timespec_t")
 local errmsg = ffi.new("char *[1]")
 local matched = ffi.new("int[1]")
@@ -181,6 +183,8 @@ local mt = { __index = _M }
 
 local default_bus
 local collectors = {}
+-- every bus of this process that init_worker() started, for exit_worker()
+local living = setmetatable({}, { __mode = "k" })
 
 
 local function check_opts(opts)
@@ -311,6 +315,8 @@ function _M.new(opts)
         stamp_ms = 0,               -- ngx.now() of the last latency sample
         last_publish = 0,           -- ngx.now() of the last publish
         stopping = false,           -- exiting: the bus has closed
+        exit_counted = false,       -- exit_watch counted what was pending
+        left_counted = false,       -- the worker stops: the rest counted
 
         -- receiving
         inbox = ring.new(),         -- events for the handlers
@@ -1062,16 +1068,8 @@ local function requeue_unacked(self)
 end
 
 
-local function handshake(self, sock, lane)
-    local path = self.opts.socket
-    if C.access(path, F_OK) ~= 0 then
-        -- nginx's master removes the socket file as soon as it has told
-        -- the workers to quit, and a connect() to it then would log at
-        -- [crit]: a worker starting (or reconnecting) meanwhile finds no
-        -- broker, which is no error
-        return nil, "failed to connect: no such file or directory"
-    end
-    local ok, err = sock:connect("unix:" .. path)
+local function talk(self, sock, lane)
+    local ok, err = sock:connect("unix:" .. self.opts.socket)
     if not ok then
         return nil, "failed to connect: " .. err
     end
@@ -1136,6 +1134,31 @@ local function handshake(self, sock, lane)
         return nil, "bad welcome"
     end
     return true
+end
+
+
+-- Connects sock to the broker and says hello. A quit makes nginx log
+-- what it does to a connection on its way: its master removes the socket
+-- file as soon as it has told the workers to quit (a connect() to it then
+-- is logged at [crit], ENOENT, whenever the client last saw the file),
+-- and the kernel resets the connections still queued when the broker
+-- closes its listener (a read then logs [error]). A worker starting (or
+-- reconnecting) meanwhile finds no broker, which is no error: nginx's
+-- own lines about the connection are held back until the broker welcomed
+-- it (the caller's timer runs nothing else meanwhile, and its connection
+-- has a log of its own), and the caller says what a failure means.
+local function handshake(self, sock, lane)
+    local r = get_request()
+    local level = r and C.ngx_loom_ffi_connection_log_level(r, ALERT)
+                  or -1
+    local ok, a, b, c = pcall(talk, self, sock, lane)
+    if level >= 0 then
+        C.ngx_loom_ffi_connection_log_level(r, level)
+    end
+    if not ok then
+        error(a, 0)
+    end
+    return a, b, c
 end
 
 
@@ -1221,6 +1244,20 @@ local function run_lane(self, lane)
 end
 
 
+-- The lane runs in a timer of its own, so that its handshake holds back
+-- nginx's lines about its own connection only (see handshake).
+local function lane_timer(premature, self, lane)
+    if not premature then
+        local ok, err = pcall(run_lane, self, lane)
+        if not ok then
+            log(ERR, "the lane failed: ", err)
+        end
+    end
+    lane.ended = true
+    lane.done:post(1)
+end
+
+
 local function client_loop(premature, self)
     if premature then
         return
@@ -1247,14 +1284,17 @@ local function client_loop(premature, self)
             requeue_unacked(self)
             local link = { closed = false, error = nil, got = 0, acked = 0 }
             local wt = spawn(writer, self, sock, link)
-            local lane = { closed = false, sema = semaphore.new() }
-            local lt = spawn(run_lane, self, lane)
+            local lane = { closed = false, sema = semaphore.new(),
+                           ended = false, done = semaphore.new() }
+            local lane_started = timer_at(0, lane_timer, self, lane)
             local rok, rerr = reader(self, sock, link)
             link.closed = true
             self.wsema:post(1)
             lane.closed = true
             lane.sema:post(1)
-            ngx.thread.wait(lt)
+            while lane_started and not lane.ended do
+                lane.done:wait(1)
+            end
             -- a writer stuck in a send to a dead broker is stopped here;
             -- what it was sending is still in unacked and goes again
             kill(wt)
@@ -1331,6 +1371,7 @@ local function exit_watch(premature, self)
         ngx_sleep(0.01)
     end
     self.stopping = true
+    self.exit_counted = true
     if self.pending > 0 then
         count(self.counters.dropped, "exit", self.pending)
         log(WARN, "worker exiting with ", self.pending,
@@ -1339,6 +1380,69 @@ local function exit_watch(premature, self)
     release_held(self)
     self.wsema:post(1)
     self.isema:post(1)
+end
+
+
+-- The worker stops (its Lua VM closes next): counts, once, what the bus
+-- will never deliver. Returns the events published and not sent, sent
+-- and not acknowledged by the broker (both unless exit_watch counted them
+-- already: the rest of a graceful exit), received (or published to this
+-- worker) and not handled, and held by the broker in this worker for
+-- others that no publisher counts (see broker.count_left).
+local function count_left(self)
+    if self.left_counted then
+        return 0, 0, 0, 0
+    end
+    self.left_counted = true
+    self.stopping = true
+    local unsent, unacked = 0, 0
+    if not self.exit_counted then
+        unsent = self.unsent_q:len()
+        if self.worker == self.opts.broker then
+            -- what the broker has not taken yet of the batch it is
+            -- taking (the rest is in its queues)
+            unacked = frame.count_events(self.spare:ref())
+        else
+            unacked = self.pending - unsent
+        end
+    end
+    local unhandled = inbox_len(self)
+    local own = self.own
+    while own.n > 0 do
+        -- (copies of events to this worker published behind unsent
+        -- ones: the other copies are of events counted as not sent)
+        if own:pop() % 1 ~= 0 then
+            unhandled = unhandled + 1
+        end
+    end
+    local dropped = self.counters.dropped
+    if unsent + unacked > 0 then
+        count(dropped, "exit", unsent + unacked)
+    end
+    if unhandled > 0 then
+        count(dropped, "not handled", unhandled)
+    end
+    return unsent, unacked, unhandled, broker.count_left(self)
+end
+
+
+-- at VM close (see resty.loom.at_close): what no exit_worker() reported
+local function unreported_at_close()
+    local unsent, unacked, unhandled, held = 0, 0, 0, 0
+    for bus in pairs(living) do
+        local u, a, h, b = count_left(bus)
+        unsent, unacked = unsent + u, unacked + a
+        unhandled, held = unhandled + h, held + b
+    end
+    local lost = unsent + unacked + unhandled + held
+    if lost > 0 then
+        return "warn", "[loom.events] " .. lost .. " event(s) lost at "
+               .. "worker exit without a report (" .. unsent .. " not sent, "
+               .. unacked .. " not acknowledged, " .. unhandled
+               .. " not handled, " .. held .. " held by the broker): call "
+               .. "require(\"resty.loom.events\").exit_worker() in "
+               .. "exit_worker_by_lua_block"
+    end
 end
 
 
@@ -1396,6 +1500,32 @@ function _M.init_worker(self)
         return nil, "failed to start the exit watch: " .. err
     end
     self.initialized = true
+    living[self] = true
+    at_close.register(unreported_at_close)
+    -- (the check reads this bus's buffers: see at_close.renew)
+    at_close.renew()
+    return true
+end
+
+
+-- events.exit_worker(), in exit_worker_by_lua*: a fast stop (SIGTERM,
+-- SIGINT, nginx -s stop) runs no timer and no cosocket, so this is the
+-- only code of the bus that runs then. Counts and logs what each bus of
+-- the worker will never deliver; after a graceful exit, what it could not
+-- (a stuck handler). Nothing once everything was delivered.
+function _M.exit_worker()
+    for bus in pairs(living) do
+        local unsent, unacked, unhandled, held = count_left(bus)
+        local lost = unsent + unacked + unhandled + held
+        if lost > 0 then
+            log(WARN, "worker stopping: ", lost, " event(s) lost: ", unsent,
+                " published and not sent, ", unacked, " sent and not "
+                .. "acknowledged by the broker (some may have reached "
+                .. "their workers), ", unhandled, " received and not "
+                .. "handled, ", held, " held by the broker for other "
+                .. "workers (some may have reached them)")
+        end
+    end
     return true
 end
 

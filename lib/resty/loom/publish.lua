@@ -18,6 +18,7 @@ local auth = require "resty.loom.publish.auth"
 local histogram = require "resty.loom.histogram"
 local base64 = require "resty.loom.publish.base64"
 local json = require "resty.loom.publish.json"
+local at_close = require "resty.loom.at_close"
 local error_handler = require("resty.loom.error_handler").handler
 
 local ngx_now = ngx.now
@@ -94,7 +95,6 @@ local publishers = {}
 -- every publisher of this worker that may hold messages, for exit_worker()
 local living = setmetatable({}, { __mode = "k" })
 local collector_registered = false
-local exit_guard            -- see guard_exit()
 
 
 local _M = { _VERSION = "0.2.0" }
@@ -1165,14 +1165,9 @@ local function register_collector()
 end
 
 
--- A fast stop runs only exit_worker_by_lua*; nginx offers no way to see
--- from Lua whether that hook is configured. What is certain is that the
--- worker closes its Lua VM last of all (after the hook, after a graceful
--- drain), running finalizers: one on a sentinel counts what every
--- publisher still holds then, which is exactly what no report covered
--- (publish.exit_worker() not called, or worker_shutdown_timeout cut the
--- drain). ngx.* must not be called that late (ngx.log crashes the
--- worker): the line goes to stderr, which nginx points at its error log.
+-- At VM close (see resty.loom.at_close): what every publisher still holds
+-- then is exactly what no report covered (publish.exit_worker() not
+-- called, or worker_shutdown_timeout cut the drain).
 local function unreported_at_close()
     local n = 0
     local names = {}
@@ -1184,22 +1179,11 @@ local function unreported_at_close()
         end
     end
     if n > 0 then
-        -- one write: the workers share the file
-        local pid = ngx.worker.pid()
-        io.stderr:write(concat({
-            os.date("%Y/%m/%d %H:%M:%S"), " [error] ", pid, "#", pid, ": ",
+        return "error", concat({
             LOG_TAG, n, " messages lost at worker exit without a report (",
             concat(names, ", "), "): call ",
             "require(\"resty.loom.publish\").exit_worker() in ",
-            "exit_worker_by_lua_block\n" }))
-    end
-end
-
-
-local function guard_exit()
-    if not exit_guard then
-        exit_guard = newproxy(true)
-        getmetatable(exit_guard).__gc = unreported_at_close
+            "exit_worker_by_lua_block" })
     end
 end
 
@@ -1410,7 +1394,7 @@ function _M.new(opts)
     end
     publishers[self.name] = self
     living[self] = true
-    guard_exit()
+    at_close.register(unreported_at_close)
     register_collector()
     return self
 end

@@ -17,6 +17,7 @@ local ring = require "resty.loom.events.ring"
 local semaphore = require "ngx.semaphore"
 local clear = require "table.clear"
 local yield = require("resty.loom.yield").yield
+local at_close = require "resty.loom.at_close"
 
 local C = ffi.C
 local ffi_string = ffi.string
@@ -140,6 +141,9 @@ local function queue(b, wid)
             writer_sema = semaphore.new(),
         }
         b.queues[wid] = q
+        -- (what the queue holds is counted when the worker stops, also
+        -- at VM close: see at_close.renew)
+        at_close.renew()
     end
     return q
 end
@@ -1150,6 +1154,28 @@ function _M.detach_local(bus, c)
     q.data_sema:post(1)
     ngx.thread.wait(c.thread)
     detach(b, q, c)
+end
+
+
+-- The worker stops (a fast stop, or the end of a graceful one): counts
+-- as dropped ("exit") and returns the events the broker holds that no
+-- publisher reports: its own worker's (handed over, never acknowledged)
+-- and, for a worker not connected, everyone's (acknowledged already).
+-- What others published for a connected worker they count themselves.
+function _M.count_left(bus)
+    local b = bus.broker_state
+    if not b then
+        return 0
+    end
+    local held = 0
+    for _, q in pairs(b.queues) do
+        local p, n = q.buf:ref()
+        held = held + frame.count_events(p, n, q.conn and bus.worker or nil)
+    end
+    if held > 0 then
+        count(b.stats.dropped, "exit", held)
+    end
+    return held
 end
 
 

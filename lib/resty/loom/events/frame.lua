@@ -337,6 +337,24 @@ function _M.whole_frames(p, n, max)
 end
 
 
+-- Of the n bytes of frames at p (a queue of frames built here): how many
+-- events start there, only those of worker `publisher` when given.
+function _M.count_events(p, n, publisher)
+    local off, events = 0, 0
+    while off + FRAME_SIZE <= n do
+        local h = ffi_cast(FRAME_PTR, p + off)
+        local pp = p + off + FRAME_SIZE
+        if h.type == T_EVENT and ffi_cast(TRAILER_PTR, pp + h.len).part == 0
+           and (not publisher
+                or ffi_cast(EVENT_PTR, pp).publisher == publisher) then
+            events = events + 1
+        end
+        off = off + FRAME_SIZE + h.len + TRAILER_SIZE
+    end
+    return events
+end
+
+
 -- A pointer to a string's bytes, and its length (valid while the string
 -- is referenced).
 function _M.ptr(str)
