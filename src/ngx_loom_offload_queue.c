@@ -60,8 +60,8 @@ static void ngx_loom_offload_held_mutexes(void);
 
 /* FFI entry points */
 int ngx_loom_offload_ffi_submit(ngx_http_request_t *r,
-    loom_offload_queue_t *q, const u_char *data, size_t len,
-    loom_offload_task_t **out, void **sem);
+    loom_offload_queue_t *q, const u_char *name, size_t name_len,
+    const u_char *data, size_t len, loom_offload_task_t **out, void **sem);
 
 
 static ngx_loom_offload_held_t  ngx_loom_offload_held[LOOM_HELD_STRIPES];
@@ -78,12 +78,18 @@ __thread loom_offload_queue_t  *ngx_loom_offload_tls_q;
 static __thread uint64_t        ngx_loom_offload_tls_ns;
 
 
+/*
+ * The request is data, or with a name (rt:call(name, data)) the name, a
+ * NUL byte and data: built here, so that the data is copied once
+ */
 int
 ngx_loom_offload_ffi_submit(ngx_http_request_t *r, loom_offload_queue_t *q,
-    const u_char *data, size_t len, loom_offload_task_t **out, void **sem)
+    const u_char *name, size_t name_len, const u_char *data, size_t len,
+    loom_offload_task_t **out, void **sem)
 {
     char                       *errmsg;
-    size_t                      cap;
+    size_t                      cap, head;
+    u_char                     *p;
     uint64_t                    now;
     ngx_http_cleanup_t         *cln;
     loom_offload_task_t        *t;
@@ -122,7 +128,8 @@ ngx_loom_offload_ffi_submit(ngx_http_request_t *r, loom_offload_queue_t *q,
         ngx_http_set_ctx(r->main, rctx, ngx_loom_offload_module);
     }
 
-    cap = len + 1;
+    head = name ? name_len + 1 : 0;
+    cap = head + len + 1;
 
     if (cap < LOOM_MIN_INLINE_RSP) {
         cap = LOOM_MIN_INLINE_RSP;
@@ -140,14 +147,21 @@ ngx_loom_offload_ffi_submit(ngx_http_request_t *r, loom_offload_queue_t *q,
         return LOOM_FFI_ERROR;
     }
 
-    if (len) {
-        ngx_memcpy(t->data, data, len);
+    p = t->data;
+
+    if (name) {
+        p = ngx_cpymem(p, name, name_len);
+        *p++ = '\0';
     }
 
-    t->data[len] = '\0';
+    if (len) {
+        p = ngx_cpymem(p, data, len);
+    }
+
+    *p = '\0';
     now = ngx_loom_offload_now_ns();
 
-    t->req_len = len;
+    t->req_len = head + len;
     t->cap = cap;
     t->queue = q;
     t->start_ns = now;

@@ -107,6 +107,38 @@ def test_calls_and_state(nginx):
     assert call(n, "Work", "null").status == 200
 
 
+def test_each_call_runs_its_own_handler(nginx):
+    # one thread takes every task, and keeps the String of the last
+    # handler name for the next task that names the same: a task naming
+    # another handler (a longer or shorter name, one too long to keep, an
+    # empty one) must get that handler, never the previous one
+    n = start(nginx, threads=1, server="""
+    location /raw {
+        content_by_lua_block {
+            local res, err = JAVA:call("\\0" .. ngx.var.arg_d)
+            ngx.print(res or err)
+        }
+    }
+    """)
+    n.allow_log(r"java handler ")
+    long_name = "E" * 300
+    steps = [("Echo", "a", "a"), ("Counter", "", "1 1"),
+             ("Counter", "", "2 1"), ("Echo", "b", "b"), ("Work", "null", ""),
+             ("Echo", "c", "c"), (long_name, "x", None), ("Echo", "d", "d"),
+             (long_name, "y", None), ("Counter", "", "3 1")]
+    for cls, d, want in steps:
+        r = call(n, cls, d)
+        if want is None:
+            assert r.status == 502 and "ClassNotFoundException: " \
+                "loom.example.%s" % long_name in r.text, r.text
+        else:
+            assert (r.status, r.text) == (200, want), (cls, r.text)
+    # no name at all (rt:call(payload) with a NUL first): no handler
+    r = n.get("/raw?d=loom.example.Echo")
+    assert "ClassNotFoundException" in r.text, r.text
+    assert call(n, "Echo", "e").text == "e"
+
+
 def test_exception_is_the_error_and_is_logged_with_its_trace(nginx):
     n = start(nginx)
     n.allow_log(r"java handler (loom\.example\.(Work|Nope)|java\.lang\.String): ")

@@ -68,6 +68,9 @@
 #define LOOM_JAVA_MAX_OPTIONS   32
 #define LOOM_JAVA_MAX_ATTEMPTS  3
 
+/* handler names up to this long are remembered, see loom_java_next */
+#define LOOM_JAVA_NAME_CACHE    256
+
 
 typedef jint (JNICALL *loom_java_create_pt)(JavaVM **vm, void **env,
     void *args);
@@ -152,57 +155,111 @@ loom_java_vfprintf(FILE *fp, const char *fmt, va_list args)
 /* ---- native methods of loom.offload.Native ---- */
 
 
-static jlong JNICALL
-loom_java_take(JNIEnv *env, jclass cls, jlong rtp, jint timeout_ms)
+/*
+ * The name of the last task a thread took, whose String Java keeps in
+ * names[0]: the next task for the same handler (the usual case) reuses it,
+ * saving an allocation and the handler map's hashing of a new String.
+ */
+static __thread char    loom_java_last_name[LOOM_JAVA_NAME_CACHE];
+static __thread size_t  loom_java_last_size;    /* its length + 1, 0: none */
+
+
+static void
+loom_java_reply(JNIEnv *env, loom_java_rt_t *rt, loom_offload_task_t *task,
+    jint status, jbyteArray data)
 {
-    int                   rc;
-    loom_java_rt_t       *rt;
-    loom_offload_task_t  *task;
+    jsize   len;
+    jbyte  *bytes;
 
-    rt = (loom_java_rt_t *) (intptr_t) rtp;
-
-    rc = rt->host->wait(rt->queue, timeout_ms, &task);
-
-    if (rc == LOOM_OFFLOAD_CLOSED) {
-        return -1;
+    if (data == NULL) {
+        rt->host->answer(task, status, NULL, 0);
+        return;
     }
 
-    if (rc != LOOM_OFFLOAD_TASK) {
-        return 0;
+    /* no copy: the host copies the bytes before answer() returns */
+    len = (*env)->GetArrayLength(env, data);
+    bytes = (*env)->GetPrimitiveArrayCritical(env, data, NULL);
+
+    if (bytes == NULL) {
+        static const char  msg[] = "no memory for the answer";
+
+        (*env)->ExceptionClear(env);
+        rt->host->answer(task, LOOM_OFFLOAD_ERROR, msg, sizeof(msg) - 1);
+        return;
     }
 
-    return (jlong) (intptr_t) task;
+    rt->host->answer(task, status, bytes, (size_t) len);
+    (*env)->ReleasePrimitiveArrayCritical(env, data, bytes, JNI_ABORT);
 }
 
 
 /*
- * The data of a task (the request bytes after the handler name and its
- * NUL byte), with the name stored in names[0]: Java gets each in one copy.
+ * A thread's one crossing per task: answers the task slot[1] holds, if
+ * any, with out; takes the next task into slot[1] (0 when none came in
+ * time, -1 when the queue is closed); and returns its data (the request
+ * bytes after the handler's name and its NUL byte) with the name in
+ * names[0], each in one copy. The task is in slot[1] before anything is
+ * allocated, so that Java can answer it when an allocation throws.
  */
 static jbyteArray JNICALL
-loom_java_request(JNIEnv *env, jclass cls, jlong rtp, jlong taskp,
-    jobjectArray names)
+loom_java_next(JNIEnv *env, jclass cls, jlong rtp, jlongArray slot,
+    jbyteArray out, jobjectArray names, jint timeout_ms)
 {
+    int                   rc;
+    jlong                 held;
     size_t                len, name_len;
     jstring               name;
     jbyteArray            arr;
-    const unsigned char  *req, *nul;
     loom_java_rt_t       *rt;
+    loom_offload_task_t  *task;
+    const unsigned char  *req, *nul;
 
     rt = (loom_java_rt_t *) (intptr_t) rtp;
-    req = rt->host->request((loom_offload_task_t *) (intptr_t) taskp, &len);
+
+    (*env)->GetLongArrayRegion(env, slot, 1, 1, &held);
+
+    if (held != 0 && held != -1) {
+        loom_java_reply(env, rt, (loom_offload_task_t *) (intptr_t) held,
+                        LOOM_OFFLOAD_OK, out);
+    }
+
+    rc = rt->host->wait(rt->queue, timeout_ms, &task);
+
+    held = rc == LOOM_OFFLOAD_TASK ? (jlong) (intptr_t) task
+           : rc == LOOM_OFFLOAD_CLOSED ? -1 : 0;
+
+    (*env)->SetLongArrayRegion(env, slot, 1, 1, &held);
+
+    if (rc != LOOM_OFFLOAD_TASK) {
+        return NULL;
+    }
+
+    req = rt->host->request(task, &len);
 
     /* the request is NUL-terminated: a name without data ends there */
     nul = memchr(req, '\0', len + 1);
     name_len = nul - req;
 
-    name = (*env)->NewStringUTF(env, (const char *) req);
-    if (name == NULL) {
-        return NULL;    /* OutOfMemoryError pending */
-    }
+    if (name_len + 1 != loom_java_last_size
+        || memcmp(req, loom_java_last_name, name_len) != 0)
+    {
+        /* no name in the log if the new one cannot be made */
+        loom_java_last_size = 0;
+        (*env)->SetObjectArrayElement(env, names, 0, NULL);
 
-    (*env)->SetObjectArrayElement(env, names, 0, name);
-    (*env)->DeleteLocalRef(env, name);
+        name = (*env)->NewStringUTF(env, (const char *) req);
+        if (name == NULL) {
+            return NULL;    /* OutOfMemoryError pending */
+        }
+
+        (*env)->SetObjectArrayElement(env, names, 0, name);
+        (*env)->DeleteLocalRef(env, name);
+
+        if (name_len < LOOM_JAVA_NAME_CACHE) {
+            memcpy(loom_java_last_name, req, name_len);
+            loom_java_last_size = name_len + 1;
+        }
+    }
 
     len = name_len < len ? len - name_len - 1 : 0;
 
@@ -233,33 +290,8 @@ static void JNICALL
 loom_java_answer(JNIEnv *env, jclass cls, jlong rtp, jlong taskp,
     jint status, jbyteArray data)
 {
-    jsize                 len;
-    jbyte                *bytes;
-    loom_java_rt_t       *rt;
-    loom_offload_task_t  *task;
-
-    rt = (loom_java_rt_t *) (intptr_t) rtp;
-    task = (loom_offload_task_t *) (intptr_t) taskp;
-
-    if (data == NULL) {
-        rt->host->answer(task, status, NULL, 0);
-        return;
-    }
-
-    /* no copy: the host copies the bytes before answer() returns */
-    len = (*env)->GetArrayLength(env, data);
-    bytes = (*env)->GetPrimitiveArrayCritical(env, data, NULL);
-
-    if (bytes == NULL) {
-        static const char  msg[] = "no memory for the answer";
-
-        (*env)->ExceptionClear(env);
-        rt->host->answer(task, LOOM_OFFLOAD_ERROR, msg, sizeof(msg) - 1);
-        return;
-    }
-
-    rt->host->answer(task, status, bytes, (size_t) len);
-    (*env)->ReleasePrimitiveArrayCritical(env, data, bytes, JNI_ABORT);
+    loom_java_reply(env, (loom_java_rt_t *) (intptr_t) rtp,
+                    (loom_offload_task_t *) (intptr_t) taskp, status, data);
 }
 
 
@@ -297,9 +329,7 @@ loom_java_exited(JNIEnv *env, jclass cls, jlong rtp)
 
 
 static JNINativeMethod  loom_java_natives[] = {
-    { "take", "(JI)J", (void *) loom_java_take },
-    { "request", "(JJ[Ljava/lang/String;)[B",
-      (void *) loom_java_request },
+    { "next", "(J[J[B[Ljava/lang/String;I)[B", (void *) loom_java_next },
     { "cancelled", "(JJ)Z", (void *) loom_java_cancelled },
     { "answer", "(JJI[B)V", (void *) loom_java_answer },
     { "log", "(JILjava/lang/String;)V", (void *) loom_java_log },

@@ -82,8 +82,9 @@ int ngx_loom_offload_ffi_load(const char *path, const char *config,
     unsigned char *err, size_t *errlen);
 int ngx_loom_offload_ffi_poll(loom_offload_task_t *t);
 int ngx_loom_offload_ffi_submit(ngx_http_request_t *r,
-    loom_offload_queue_t *q, const char *data, size_t len,
-    loom_offload_task_t **out, ngx_http_lua_sema_t **sem);
+    loom_offload_queue_t *q, const char *name, size_t name_len,
+    const char *data, size_t len, loom_offload_task_t **out,
+    ngx_http_lua_sema_t **sem);
 int ngx_loom_offload_ffi_result(loom_offload_task_t *t, const char **data,
     size_t *len);
 void ngx_loom_offload_ffi_release(loom_offload_task_t *t);
@@ -302,22 +303,22 @@ end
 
 
 function _M.call(self, payload, opts, named_opts)
-    local named = type(opts) == "string"
-    if not named and BUFFER_MT and getmetatable(opts) == BUFFER_MT then
-        named = true
-        opts = opts:tostring()
-    end
+    local name, name_len = nil, 0
 
-    if named then
+    if type(opts) == "string"
+       or BUFFER_MT and getmetatable(opts) == BUFFER_MT
+    then
         -- rt:call(name, data[, opts]) for runtimes that dispatch by name
-        -- (Lua, Java): the request is the name, a NUL byte, the data
+        -- (Lua, Java): the request is the name, a NUL byte, the data,
+        -- put together by the submission (one copy of the data)
         if type(payload) ~= "string" or payload == ""
            or str_find(payload, "\0", 1, true)
         then
             error("name must be a non-empty string without NUL bytes", 2)
         end
 
-        payload = payload .. "\0" .. opts
+        name, name_len = payload, #payload
+        payload = opts
         opts = named_opts
     end
 
@@ -371,7 +372,8 @@ function _M.call(self, payload, opts, named_opts)
         error("payload must be a string or a string.buffer", 2)
     end
 
-    local rc = loom_submit(r, self.queue, data, len, ptask, psem)
+    local rc = loom_submit(r, self.queue, name, name_len, data, len, ptask,
+                           psem)
 
     if rc ~= FFI_OK then
         if rc == FFI_BUSY then

@@ -15,11 +15,15 @@ final class Native {
     private Native() {
     }
 
-    /** The next task, 0 when none came in time, CLOSED when closed. */
-    static native long take(long rt, int timeoutMs);
-
-    /** The data of a task; its handler's name goes to name[0]. */
-    static native byte[] request(long rt, long task, String[] name);
+    /**
+     * Answers the task slot[1] holds (unless 0) with OK and out, then
+     * takes the next task into slot[1] (0 when none came in time, CLOSED
+     * when closed) and returns its data, with its handler's name in
+     * name[0]: left as it is when it names the same handler as the
+     * thread's previous task, so name[0] belongs to this method.
+     */
+    static native byte[] next(long rt, long[] slot, byte[] out,
+                              String[] name, int timeoutMs);
 
     static native boolean cancelled(long rt, long task);
 

@@ -46,38 +46,43 @@ final class Runtime {
         long[] slot = Call.slot();
         slot[0] = rt;
         String[] names = new String[1];
+        byte[] out = null;
         try {
             for (;;) {
-                long task = Native.take(rt, 1000);
+                byte[] in;
+                try {
+                    // answers the task slot[1] holds with out
+                    in = Native.next(rt, slot, out, names, 1000);
+                } catch (Throwable e) {
+                    // copying a payload larger than the heap throws
+                    // (OutOfMemoryError): the task taken must still be
+                    // answered and this thread keep serving
+                    out = null;
+                    if (slot[1] != Native.TIMEDOUT
+                        && slot[1] != Native.CLOSED) {
+                        fail(slot[1], names[0], e);
+                        slot[1] = 0;
+                    }
+                    continue;
+                }
+                out = null;
+                long task = slot[1];
                 if (task == Native.CLOSED) {
                     return;
                 }
                 if (task == Native.TIMEDOUT) {
                     continue;
                 }
-                slot[1] = task;
-                run(task, names);
-                slot[1] = 0;
+                try {
+                    out = handler(names[0]).call(in);
+                } catch (Throwable e) {
+                    fail(task, names[0], e);
+                    slot[1] = 0;
+                }
             }
         } finally {
             Native.exited(rt);
         }
-    }
-
-    private void run(long task, String[] names) {
-        names[0] = null;
-        byte[] out;
-        try {
-            // inside the try: copying a payload larger than the heap
-            // throws (OutOfMemoryError), and the task must still be
-            // answered and this thread keep serving
-            byte[] in = Native.request(rt, task, names);
-            out = handler(names[0]).call(in);
-        } catch (Throwable e) {
-            fail(task, names[0], e);
-            return;
-        }
-        Native.answer(rt, task, Native.OK, out);
     }
 
     private void fail(long task, String name, Throwable e) {
