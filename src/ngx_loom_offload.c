@@ -663,6 +663,7 @@ ngx_loom_offload_ffi_load(const char *path, const char *config,
     q->reclaim = reclaim_ms > 0 ? (ngx_msec_t) reclaim_ms : 0;
     q->spin_ns = spin_us > 0 ? (uint64_t) spin_us * 1000 : 0;
     q->spin_cur_ns = q->spin_ns;
+    q->spin_cpu = -1;
     q->poll_ns = poll_us > 0 ? (uint64_t) poll_us * 1000 : 0;
     q->global = global;
     q->state = LOOM_OFFLOAD_STARTING;

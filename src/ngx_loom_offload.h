@@ -121,6 +121,7 @@ struct loom_offload_queue_s {
     ngx_uint_t                   bound;
     uint64_t                     spin_ns;
     uint64_t                     spin_cur_ns;  /* adaptive, under mtx */
+    int                          spin_cpu;     /* atomic, see ffi_poll */
 
     /* main thread */
     uint64_t                     poll_ns;

@@ -17,6 +17,7 @@
 
 #include "ngx_loom_offload.h"
 #include <sys/eventfd.h>
+#include <sched.h>
 
 
 /* the event loop polling for an answer (ngx_loom_offload_ffi_poll) */
@@ -466,6 +467,18 @@ ngx_loom_offload_ffi_poll(loom_offload_task_t *t)
     q = t->queue;
 
     if (!t->poll) {
+        return 0;
+    }
+
+    if (!t->woke && ngx_loom_load(&q->spin_cpu) == sched_getcpu()) {
+        /*
+         * the spinning runtime thread was last seen on this very CPU:
+         * it can take the task only once the event loop gives the CPU
+         * up, so polling would only delay the answer. Not a miss: the
+         * back-off is for polls that hold a CPU the thread needs
+         * elsewhere, and polls resume as soon as the thread runs on
+         * the other CPU
+         */
         return 0;
     }
 

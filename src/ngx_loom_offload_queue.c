@@ -314,6 +314,7 @@ ngx_loom_offload_wait(loom_offload_queue_t *q, int timeout_ms,
         pthread_mutex_unlock(&q->mtx);
 
         deadline = ngx_loom_offload_now_ns() + spin;
+        ngx_loom_store(&q->spin_cpu, sched_getcpu());
 
         for (n = 1; ngx_loom_load(&q->npending) == 0
                     && !ngx_loom_load(&q->closed); n++)
@@ -324,6 +325,9 @@ ngx_loom_offload_wait(loom_offload_queue_t *q, int timeout_ms,
                 if (ngx_loom_offload_now_ns() >= deadline) {
                     break;
                 }
+
+                /* where the spinner runs, for the event loop's poll */
+                ngx_loom_store(&q->spin_cpu, sched_getcpu());
 
                 /* let whatever else wants this CPU run (nginx, say) */
                 sched_yield();
