@@ -143,13 +143,17 @@ def connected_to(path):
     return count
 
 
-def pub_from(n, wid, query, tries=400):
-    """Publishes from worker wid: asks until a request lands there."""
-    for _ in range(tries):
+def pub_from(n, wid, query, within=30):
+    """Publishes from worker wid: asks until a request lands there (a
+    worker busy with the megabytes published just before takes no new
+    connections for a while on a loaded machine: a deadline, not a count)"""
+    deadline = time.time() + within
+    while time.time() < deadline:
         r = n.get("/ev/pub?only=%d&%s" % (wid, query), timeout=30)
         if r.status != 409:
             return r.json()
-    raise AssertionError("no request reached worker %d" % wid)
+    raise AssertionError("no request reached worker %d in %d s"
+                         % (wid, within))
 
 
 def test_broker_worker_link(nginx):
