@@ -85,6 +85,17 @@ def test_bad_options_are_refused_with_the_option_named(nginx):
     assert "opts.cluster must be a resty.loom.cluster" in timer_lines[5]
 
 
+def janitor_node(nginx, r):
+    """a node that removes groups silent for 5 s, once it removed one"""
+    n = start_node(nginx, {"host": "127.0.0.1", "port": r.port}, "a",
+                   group_idle=5, claim_idle=1, ack_timeout=0.5)
+    wait_readers([n])
+    deadline = time.time() + 10
+    while stats(n)["groups_removed"] < 1 and time.time() < deadline:
+        time.sleep(0.1)
+    return n
+
+
 @need_redis
 def test_groups_of_nodes_that_left_are_removed(redis_factory, nginx):
     r = redis_factory()
@@ -93,12 +104,7 @@ def test_groups_of_nodes_that_left_are_removed(redis_factory, nginx):
     now_ms = int(time.time() * 1000)
     r.cli("HSET", "loom:cluster:nodes", "gone", str(now_ms - 10000),
           "fresh", str(now_ms))
-    n = start_node(nginx, {"host": "127.0.0.1", "port": r.port}, "a",
-                   group_idle=5, claim_idle=1, ack_timeout=0.5)
-    wait_readers([n])
-    deadline = time.time() + 10
-    while stats(n)["groups_removed"] < 1 and time.time() < deadline:
-        time.sleep(0.1)
+    n = janitor_node(nginx, r)
     groups = r.cli("XINFO", "GROUPS", "loom:cluster")
     assert stats(n)["groups_removed"] == 1
     assert "gone" not in groups and "fresh" in groups and "\na\n" in groups
@@ -120,12 +126,7 @@ def test_marks_of_removed_groups_are_kept_group_idle_only(redis_factory,
     r.cli("HSET", "loom:cluster:removed", "recent", str(now_ms))
     r.cli("XGROUP", "CREATE", "loom:cluster", "gone", "$", "MKSTREAM")
     r.cli("HSET", "loom:cluster:nodes", "gone", str(now_ms - 10000))
-    n = start_node(nginx, {"host": "127.0.0.1", "port": r.port}, "a",
-                   group_idle=5, claim_idle=1, ack_timeout=0.5)
-    wait_readers([n])
-    deadline = time.time() + 10
-    while stats(n)["groups_removed"] < 1 and time.time() < deadline:
-        time.sleep(0.1)
+    n = janitor_node(nginx, r)
     time.sleep(0.6)     # a janitor round (every claim_idle / 2)
     left = sorted(r.cli("HKEYS", "loom:cluster:removed").split())
     assert left == ["gone", "recent"]

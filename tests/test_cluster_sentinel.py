@@ -113,18 +113,24 @@ def test_failover_mid_stream(redis_factory, nginx):
         n.allow_log(r"recv\(\) failed \(104: Connection reset by peer\)")
 
 
-def test_timers_ask_the_sentinels_only_when_the_master_fails(
-        redis_factory, nginx):
-    """Cluster timers on 2 nodes x 2 workers (each worker renews or checks
-    its lease every ttl/3): the master's address is asked once per worker,
-    not per Redis call; a failover is followed, each period runs once."""
-    master, replica, sentinels, conf = sentinel_setup(redis_factory)
+def timer_nodes(nginx, conf):
+    """2 nodes running the cluster timer, once it has run 5 periods"""
     nodes = [start_node(nginx, conf, "n%d" % i, timer=(INTERVAL, TTL, 0))
              for i in range(2)]
     deadline = time.time() + 20
     while len(runs(nodes)) < 5:
         assert time.time() < deadline, "the timer never ran"
         time.sleep(0.1)
+    return nodes
+
+
+def test_timers_ask_the_sentinels_only_when_the_master_fails(
+        redis_factory, nginx):
+    """Cluster timers on 2 nodes x 2 workers (each worker renews or checks
+    its lease every ttl/3): the master's address is asked once per worker,
+    not per Redis call; a failover is followed, each period runs once."""
+    master, replica, sentinels, conf = sentinel_setup(redis_factory)
+    nodes = timer_nodes(nginx, conf)
     # over 20 periods, with every worker connected already
     wait_sentinels_agree(sentinels, master)
     time.sleep(1)
@@ -176,12 +182,7 @@ def test_timers_never_write_to_a_demoted_master(redis_factory, nginx):
     workers' cached address and pooled connections point at it: they
     must move to the new master and run nothing on the old one."""
     master, replica, sentinels, conf = sentinel_setup(redis_factory)
-    nodes = [start_node(nginx, conf, "n%d" % i, timer=(INTERVAL, TTL, 0))
-             for i in range(2)]
-    deadline = time.time() + 20
-    while len(runs(nodes)) < 5:
-        assert time.time() < deadline, "the timer never ran"
-        time.sleep(0.1)
+    nodes = timer_nodes(nginx, conf)
     wait_sentinels_agree(sentinels, master)
     sentinels[0].cli("SENTINEL", "FAILOVER", "m")
     since = time.time()
