@@ -4,7 +4,7 @@ that left, and XAUTOCLAIM of a dead node's "one" entries."""
 import time
 
 from clusterconf import (need_redis, redis_factory, start_node,  # noqa: F401
-                         wait_readers, stats, handled)
+                         wait_readers, stats, handled, publish, wait_tally)
 
 BAD = [
     ("nil", "opts must be a table"),
@@ -159,3 +159,34 @@ def test_one_entries_of_a_dead_node_are_claimed(redis_factory, nginx):
     assert stats(n)["claimed"] == 1
     pending = r.cli("XPENDING", "loom:cluster:one", "one").split("\n")[0]
     assert pending == "0"
+
+
+@need_redis
+def test_a_redis_with_a_password(redis_factory, nginx):
+    """requirepass: the cluster authenticates; and a pooled connection
+    authenticated with one password is never handed to a conf with
+    another (it would skip AUTH)"""
+    r = redis_factory()
+    r.cli("CONFIG", "SET", "requirepass", "s3cret")
+    node = start_node(nginx, {"host": "127.0.0.1", "port": r.port,
+                              "password": "s3cret"}, "p")
+    wait_readers([node])
+    assert publish(node, 100, "p")["ok"] == 100
+    res, lost, dups = wait_tally([node], {("p", s) for s in range(1, 101)})
+    assert (lost, dups) == (0, 0), res
+
+    n = nginx(workers=1, server="""
+        location /t { content_by_lua_block {
+            local rconn = require "resty.loom.cluster.redis"
+            local function conf(pw)
+                return rconn.check({ host = "127.0.0.1", port = %d,
+                                     password = pw }, 1)
+            end
+            local red = assert(rconn.connect(conf("s3cret"), 1))
+            assert(red:ping())
+            assert(red:set_keepalive(10000, 4))
+            local other, err = rconn.connect(conf("wrong"), 1)
+            ngx.say(other and "connected" or err)
+        } }""" % r.port)
+    got = n.get("/t").text
+    assert got.startswith("auth: WRONGPASS"), got

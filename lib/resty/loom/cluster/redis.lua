@@ -158,10 +158,13 @@ end
 local function open(conf, host, port, read_timeout)
     local red = redis:new()
     red:set_timeout(conf.connect_timeout * 1000)
-    -- a pool of our own: its connections are authenticated, on conf.db,
-    -- and were a master when made
+    -- a pool of our own: its connections are authenticated (with this
+    -- password: another conf's must not get them), on conf.db, and were a
+    -- master when made
     local ok, err = red:connect(host, port, {
-        pool = "loom.cluster:" .. host .. ":" .. port .. ":" .. conf.db,
+        pool = "loom.cluster:" .. host .. ":" .. port .. ":" .. conf.db
+               .. ":" .. (conf.password and ngx.crc32_long(conf.password)
+                          or ""),
     })
     if not ok then
         return nil, host .. ":" .. port .. ": " .. tostring(err)
