@@ -332,11 +332,13 @@ def test_stopped_worker_noticed_by_heartbeat(nginx):
 
 def pub_from_broker(n, query):
     """Publishes from worker 0 (another worker may be stopped: it cannot
-    take the request, and any it took would hang, hence the short
-    timeout)."""
+    take the request, and any it took would hang, hence a timeout and a
+    retry). The timeout is well past the heartbeat timeout: worker 0's
+    publish can wait that long for the stopped worker's share, and a retry
+    after a late success would publish everything twice."""
     for _ in range(400):
         try:
-            r = n.get("/ev/pub?only=0&" + query, timeout=3)
+            r = n.get("/ev/pub?only=0&" + query, timeout=10)
         except Exception:  # noqa: BLE001 - taken by the stopped worker
             continue
         if r.status == 200:
