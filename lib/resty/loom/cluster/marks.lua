@@ -126,8 +126,9 @@ local function map(path, bytes, regions, seg_bytes, recreate)
     if not fd then
         return nil, err
     end
-    local fresh = tonumber(C.lseek(fd, 0, SEEK_END)) ~= bytes
-    if fresh and not recreate then
+    local size = tonumber(C.lseek(fd, 0, SEEK_END))
+    local fresh = size ~= bytes
+    if fresh and size > 0 and not recreate then
         C.close(fd)
         return map(path, bytes, regions, seg_bytes, true)
     end
