@@ -304,11 +304,11 @@ class RuntimeSuite:
         while time.time() < deadline:
             time.sleep(0.25)
             after = rss_kb(pid)
-            if after - before < 32 * 1024:
+            if after - before < 8 * 1024:
                 break
         print("%s: worker RSS %d kB before 64 MiB calls, %d kB right "
               "after, %d kB within 5 s" % (self.NAME, before, peak, after))
-        assert after - before < 32 * 1024, (before, peak, after)
+        assert after - before < 8 * 1024, (before, peak, after)
 
     # -- signals ------------------------------------------------------------
 

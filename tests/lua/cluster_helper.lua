@@ -1,6 +1,8 @@
 -- Test node for resty.loom.cluster: every handled event is appended to
 -- logs/h-<worker id>.log (unbuffered, so a SIGKILL loses no line already
--- handled) as "<tag> <seq> <worker pid>".
+-- handled) as "<tag> <seq> <worker pid>". Each line goes in one write():
+-- an unbuffered file:write(a, b, ...) makes one write() per argument, and a
+-- SIGKILL between them left half a line that swallowed the next one.
 
 local cjson = require "cjson.safe"
 local events = require "resty.loom.events"
@@ -17,7 +19,7 @@ local function record(data)
                              .. ngx.worker.id() .. ".log", "a"))
         out:setvbuf("no")
     end
-    out:write(data.tag, " ", data.seq, " ", ngx.worker.pid(), "\n")
+    out:write(data.tag .. " " .. data.seq .. " " .. ngx.worker.pid() .. "\n")
 end
 
 
@@ -55,12 +57,12 @@ function _M.start_timer(interval, ttl, hold)
         if premature then
             return
         end
-        f:write("run ", period, " ", epoch, " ", pid, "\n")
+        f:write("run " .. period .. " " .. epoch .. " " .. pid .. "\n")
         if hold > 0 then
             ngx.sleep(hold)
             local ok, err = ctimer.fence("t", epoch)
-            f:write("fence ", period, " ", epoch, " ", pid, " ",
-                    tostring(ok or err):match("%S+"), "\n")
+            f:write("fence " .. period .. " " .. epoch .. " " .. pid .. " "
+                    .. tostring(ok or err):match("%S+") .. "\n")
         end
     end))
 end

@@ -320,9 +320,7 @@ func (in *instance) serve(index int) {
 			}
 			call.task = next.task
 			resp, errMsg, ok, panicked := safeHandle(in.handler, call)
-			if len(resp) >= bigCall || len(call.payload) >= bigCall {
-				bigCallDone()
-			}
+			big := len(resp) >= bigCall || len(call.payload) >= bigCall
 			call.task, call.payload = nil, nil
 			done, status, rsp = next.task, C.LOOM_OFFLOAD_OK, resp
 			if !ok {
@@ -332,6 +330,13 @@ func (in *instance) serve(index int) {
 				// a bug, not an answer: the log says so, once per panic
 				in.log(C.LOOM_OFFLOAD_LOG_ERR, fmt.Sprintf("go handler %T %s",
 					in.handler, errMsg))
+			}
+			if big {
+				// answered now, not with the next wait: that wait (up to
+				// waitMs) would keep the answer alive past the release
+				in.answer(done, status, rsp)
+				done, rsp = nil, nil
+				bigCallDone()
 			}
 		}
 		if now := int64(next.now_ms); now-last >= reschedEveryMs {
