@@ -29,6 +29,11 @@ need_sentinel = pytest.mark.skipif(
     reason="redis-sentinel missing (Debian package redis-sentinel)")
 
 
+# nginx's own lines when the peer of a connection (Redis, a Sentinel's
+# demoted or killed master, a killed worker at the other end of a bus
+# socket) goes away under it, whatever lua_socket_log_errors says
+PEER_GONE = r"\((104: Connection reset by peer|32: Broken pipe)\)"
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -30,6 +30,8 @@ def nginx(request):
 
     problems = []
     for n in made:
+        n.send_quit()
+    for n in made:
         try:
             n.stop()
         except RuntimeError as e:

@@ -9,7 +9,7 @@ import time
 
 from clusterconf import (need_sentinel, redis_factory,  # noqa: F401
                          start_node, wait_readers, publish, tally, stats,
-                         runs)
+                         runs, PEER_GONE)
 
 pytestmark = need_sentinel
 
@@ -110,7 +110,7 @@ def test_failover_mid_stream(redis_factory, nginx):
         assert st["read_errors"] >= 1 or st["send_errors"] >= 1, st
         n.allow_log(r"\[loom.cluster\] (reader|failed to send)")
         # nginx's own line for the killed master's connection
-        n.allow_log(r"recv\(\) failed \(104: Connection reset by peer\)")
+        n.allow_log(PEER_GONE)
 
 
 def timer_nodes(nginx, conf):
@@ -165,7 +165,7 @@ def test_timers_ask_the_sentinels_only_when_the_master_fails(
     for n in nodes:
         # the killed master's connections, and the reader's retry
         n.allow_log(r"\[loom.cluster(.timer)?\] ")
-        n.allow_log(r"recv\(\) failed \(104: Connection reset by peer\)")
+        n.allow_log(PEER_GONE)
 
 
 def eval_calls(r):
@@ -206,4 +206,4 @@ def test_timers_never_write_to_a_demoted_master(redis_factory, nginx):
     for n in nodes:
         # connections the Sentinel closed on the demoted master
         n.allow_log(r"\[loom.cluster(.timer)?\] ")
-        n.allow_log(r"recv\(\) failed \(104: Connection reset by peer\)")
+        n.allow_log(PEER_GONE)
