@@ -113,6 +113,56 @@ def test_failover_mid_stream(redis_factory, nginx):
         n.allow_log(PEER_GONE)
 
 
+def command_calls(r, cmd):
+    """times the server ran cmd (refused ones are counted apart)"""
+    for line in r.cli("INFO", "commandstats").splitlines():
+        if line.startswith("cmdstat_%s:" % cmd):
+            return int(line.split("calls=")[1].split(",")[0])
+    return 0
+
+
+def test_manual_failover_mid_stream_loses_nothing(redis_factory, nginx):
+    """SENTINEL FAILOVER while 1,000 events/s flow: the old master is
+    still up and a master until it is demoted; events written there after
+    the promotion would be lost for every node that had not read them. The
+    workers stop writing when the failover starts (events queue meanwhile)
+    and go on with the new master: no XADD on the old master after the
+    promotion, every worker handles every event once."""
+    master, replica, sentinels, conf = sentinel_setup(redis_factory)
+    nodes = [start_node(nginx, conf, "n%d" % i, when_down="queue")
+             for i in range(3)]
+    wait_readers(nodes)
+    wait_sentinels_agree(sentinels, master)
+    out = []
+    t = threading.Thread(target=lambda: out.append(
+        publish(nodes[0], 6000, "m", rate=1000)))
+    t.start()
+    time.sleep(2)
+    sentinels[0].cli("SENTINEL", "FAILOVER", "m")
+    since = time.time()
+    while "role:master" not in replica.cli("INFO", "replication"):
+        assert time.time() < since + 30, "the replica was not promoted"
+        time.sleep(0.02)
+    xadds = command_calls(master, "xadd")
+    t.join()
+    assert out[0]["ok"] == 6000, out
+    expect = {("m", s) for s in range(1, 6001)}
+    deadline = time.time() + 30
+    while True:
+        res, lost, dups = tally(nodes, expect)
+        if lost == 0 or time.time() > deadline:
+            break
+        time.sleep(0.2)
+    late = command_calls(master, "xadd") - xadds
+    print("XADDs on the old master after the promotion: %d; lost %d, "
+          "duplicates %d: %s" % (late, lost, dups, res))
+    assert late == 0
+    assert (lost, dups) == (0, 0), res
+    for n in nodes:
+        n.allow_log(r"\[loom.cluster\] ")
+        n.allow_log(PEER_GONE)
+
+
 def timer_nodes(nginx, conf):
     """2 nodes running the cluster timer, once it has run 5 periods"""
     nodes = [start_node(nginx, conf, "n%d" % i, timer=(INTERVAL, TTL, 0))
@@ -168,37 +218,42 @@ def test_timers_ask_the_sentinels_only_when_the_master_fails(
         n.allow_log(PEER_GONE)
 
 
-def eval_calls(r):
-    """EVALs the server ran (refused ones are counted apart, in
-    rejected_calls)"""
-    for line in r.cli("INFO", "commandstats").splitlines():
-        if line.startswith("cmdstat_eval:"):
-            return int(line.split("calls=")[1].split(",")[0])
-    return 0
-
-
 def test_timers_never_write_to_a_demoted_master(redis_factory, nginx):
-    """SENTINEL FAILOVER: the old master lives on as a replica. The
-    workers' cached address and pooled connections point at it: they
-    must move to the new master and run nothing on the old one."""
+    """SENTINEL FAILOVER: the old master stays a master until the
+    Sentinels demote it (about 10 s later), and what is written there after
+    the promotion of the replica is lost then: a lease renewed and a period
+    recorded there only made a worker of the other generation run that
+    period again (seen: one period twice, epochs 1 and 2). The workers
+    follow the failover and write nothing anywhere from its start until
+    they know the new master: 0 EVALs on the old master after the
+    promotion, no period twice, the periods after go on."""
     master, replica, sentinels, conf = sentinel_setup(redis_factory)
     nodes = timer_nodes(nginx, conf)
     wait_sentinels_agree(sentinels, master)
     sentinels[0].cli("SENTINEL", "FAILOVER", "m")
     since = time.time()
+    while "role:master" not in replica.cli("INFO", "replication"):
+        assert time.time() < since + 30, "the replica was not promoted"
+        time.sleep(0.02)
+    promoted_at = time.time()
+    at_promotion = command_calls(master, "eval")
     while "role:slave" not in master.cli("INFO", "replication"):
         assert time.time() < since + 30, "the master was not demoted"
         time.sleep(0.05)
     demoted_at = time.time()
-    ran_on_old = eval_calls(master)
+    until_demotion = command_calls(master, "eval") - at_promotion
+    ran_on_old = command_calls(master, "eval")
     time.sleep(1 + 20 * INTERVAL)
-    after = eval_calls(master) - ran_on_old
+    after = command_calls(master, "eval") - ran_on_old
     all_runs = runs(nodes)
     periods = collections.Counter(p for _, p, _, _ in all_runs)
     late = sorted(p for p in periods if p >= int((demoted_at + 1)
                                                  / INTERVAL))
-    print("demoted after %.1f s; EVALs run on it since: %d; runs after: %d"
-          % (demoted_at - since, after, len(late)))
+    print("promoted after %.1f s, old master demoted after %.1f s; EVALs "
+          "on it between: %d, since: %d; runs after: %d"
+          % (promoted_at - since, demoted_at - since, until_demotion, after,
+             len(late)))
+    assert until_demotion == 0
     assert after == 0
     assert [k for k, v in periods.items() if v > 1] == [], all_runs
     assert len(late) >= 15 and late == list(range(late[0], late[-1] + 1)), \

@@ -98,7 +98,8 @@ function _M.handle()
                 end
             end
         end
-        ngx.say(cjson.encode({ ok = ok, failed = failed, err = last }))
+        ngx.say(cjson.encode({ ok = ok, failed = failed, err = last,
+                                 worker = ngx.worker.id() }))
 
     elseif what == "plant" then
         -- a "one" entry that node "d" read and never acknowledged, in one

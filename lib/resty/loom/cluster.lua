@@ -59,6 +59,10 @@ local table_remove = table.remove
 
 local LOG_TAG = "[loom.cluster] "
 local SRC = "loom.cluster"        -- the bus source of the internal events
+-- in the node's dict while a worker last failed to reach Redis: with
+-- when_down = "reject" every worker of the node refuses, not only those
+-- whose own sender has tried since
+local DOWN_KEY = "down"
 local LOG_EVERY = 10              -- seconds between two alike log lines
 local EXIT_FLUSH = 3              -- seconds the sender flushes at exit
 local TARGETS = { cluster = "c", nodes = "n", one = "o" }
@@ -262,7 +266,9 @@ function _M.publish(self, target, source, event, data)
     if not self.wid then
         return nil, "not initialized"
     end
-    if self.down and self.when_down == "reject" then
+    if self.when_down == "reject"
+       and (self.down or self.dict:get(DOWN_KEY))
+    then
         count(self, "rejected")
         return nil, "redis down"
     end
@@ -336,6 +342,7 @@ local function sender(premature, self)
         return
     end
     local red, r, fails = nil, nil, 0
+    local gen       -- self.redis.gen when red was made
     local exit_by
     while true do
         if worker_exiting() then
@@ -352,9 +359,14 @@ local function sender(premature, self)
 
         else
             local err
+            if red and gen ~= self.redis.gen then
+                red:close()     -- a failover started or ended
+                red = nil
+            end
             if not red then
                 red, err = rconn.connect(self.redis, 5)
                 r = red and resp.reader(red)
+                gen = self.redis.gen
             end
             local ok = red
             if red then
@@ -370,12 +382,16 @@ local function sender(premature, self)
                     ngx_log(ngx_NOTICE, LOG_TAG, "redis reachable again, ",
                             self.q_tail - self.q_head, " events queued")
                 end
+                if self.dict:get(DOWN_KEY) then
+                    self.dict:delete(DOWN_KEY)
+                end
                 fails = 0
             else
                 if not self.down then
                     self.down = true
                     count(self, "redis_down")
                 end
+                self.dict:set(DOWN_KEY, true)
                 count(self, "send_errors")
                 log_throttled(self, ngx_ERR, "send",
                               "failed to send events: " .. tostring(err)
@@ -805,7 +821,9 @@ local function consume(self, red, key, group, from)
     local ack_args = { "XACK", key, group }
     local inflight, acks = {}, {}
     local next_chores = 0
-    while self.reading and not worker_exiting() do
+    local conf, gen = self.redis, self.redis.gen
+    -- a failover started or ended (gen): read from the master from now on
+    while self.reading and not worker_exiting() and conf.gen == gen do
         ngx_update_time()
         if ngx_now() >= next_chores then
             next_chores = ngx_now() + min(self.claim_idle / 2, 10)
@@ -906,7 +924,12 @@ local function read_forever(self, key, group, from)
     while self.reading and not worker_exiting() do
         local red, err = rconn.connect(self.redis, self.block + 5)
         local ok
-        if red then
+        if not red then
+            self.dict:set(DOWN_KEY, true)
+        else
+            if self.dict:get(DOWN_KEY) then
+                self.dict:delete(DOWN_KEY)
+            end
             if fails > 0 then
                 ngx_log(ngx_NOTICE, LOG_TAG, "reading ", key, " again")
             end
@@ -1030,7 +1053,11 @@ function _M.init_worker(self)
     bus:subscribe(SRC, "batch", function(msg) on_batch(self, msg) end)
     bus:subscribe(SRC, "done", function(msg) on_done(self, msg) end)
     bus:subscribe(SRC, "ack", function(b) confirm(self, b) end)
-    local ok, err = timer_at(0, sender, self)
+    local ok, err = rconn.watch(self.redis)
+    if not ok then
+        return nil, err
+    end
+    ok, err = timer_at(0, sender, self)
     if ok then
         ok, err = timer_every(self.lease_ttl / 3, elect, self)
     end
@@ -1054,7 +1081,7 @@ function _M.stats(self)
         end
         t.reader = self.reading
         t.queued = self.q_tail - self.q_head
-        t.redis_down = self.down
+        t.redis_down = self.down or self.dict:get(DOWN_KEY) == true
     end
     return t
 end

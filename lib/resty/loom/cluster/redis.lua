@@ -4,6 +4,10 @@
 -- to). The master's address is kept in the worker's copy of the conf and
 -- asked again only when it fails: a refused connection, a ROLE that is not
 -- master, a socket error or a READONLY/MASTERDOWN reply (see failed()).
+-- Each worker also follows the Sentinels' failover events (watch()): from
+-- the moment one is about to promote a replica until it names the new
+-- master, nothing is written anywhere, so no write lands on the old master
+-- after the promotion (such writes are lost when it is demoted).
 -- Also the validation of the `redis` option and the reconnect backoff, which
 -- the cluster bus and the cluster timers share.
 
@@ -14,6 +18,17 @@ if not ok_redis then
 end
 
 local ngx_null = ngx.null
+local ngx_now = ngx.now
+local ngx_sleep = ngx.sleep
+local ngx_log = ngx.log
+local ngx_NOTICE = ngx.NOTICE
+local ngx_WARN = ngx.WARN
+local worker_exiting = ngx.worker.exiting
+local thread_spawn = ngx.thread.spawn
+local thread_wait = ngx.thread.wait
+local timer_at = ngx.timer.at
+local unpack = unpack
+local str_match = string.match
 local random = math.random
 local min = math.min
 local type = type
@@ -22,6 +37,19 @@ local error = error
 local pairs = pairs
 local floor = math.floor
 local str_find = string.find
+
+local LOG_TAG = "[loom.cluster] "
+
+-- the Sentinel events watch() follows: the leader Sentinel is about to
+-- send REPLICAOF NO ONE to the replica it chose (pause), the failover was
+-- given up (resume), the new master (resume there)
+local WATCHED = { "+failover-state-send-slaveof-noone", "-failover-abort-*",
+                  "+failover-end-for-timeout", "+switch-master" }
+-- a pause ends at the latest this long after it began (a lost message
+-- must not stop the node): then the Sentinels are asked again
+local PAUSE_MAX = 10
+-- how often a follower looks up from its subscription (worker exit)
+local WATCH_READ = 1
 
 local REDIS_KEYS = {
     host = true, port = true, sentinels = true, master_name = true,
@@ -61,7 +89,9 @@ function _M.check(r, level)
             error("opts.redis." .. tostring(k) .. " is not an option", level)
         end
     end
-    local conf = { port = 6379, db = 0, connect_timeout = 1 }
+    -- gen: bumped when the master changes or a failover starts;
+    -- connections made under another gen are not used again
+    local conf = { port = 6379, db = 0, connect_timeout = 1, gen = 0 }
     if r.sentinels ~= nil then
         if r.host ~= nil or r.port ~= nil then
             error("opts.redis takes host/port or sentinels, not both", level)
@@ -209,6 +239,13 @@ function _M.connect(conf, read_timeout)
     if not conf.sentinels then
         return open(conf, conf.host, conf.port, read_timeout)
     end
+    local paused = conf.paused_until
+    if paused then
+        if ngx_now() < paused then
+            return nil, "failover in progress"
+        end
+        conf.paused_until = nil
+    end
     local host, port = conf.master_host, conf.master_port
     if host then
         local red = open(conf, host, port, read_timeout)
@@ -246,6 +283,122 @@ function _M.failed(conf, res, err)
         return true
     end
     return false
+end
+
+
+-- a Sentinel event about conf's master (see WATCHED)
+local function on_event(conf, channel, data)
+    if channel == "+switch-master" then
+        -- "<master name> <old ip> <old port> <new ip> <new port>"
+        local name, host, port = str_match(data,
+                                           "^(%S+) %S+ %S+ (%S+) (%d+)$")
+        if name ~= conf.master_name then
+            return
+        end
+        port = tonumber(port)
+        if conf.paused_until or host ~= conf.master_host
+           or port ~= conf.master_port
+        then
+            ngx_log(ngx_NOTICE, LOG_TAG, "master ", name, " is now ", host,
+                    ":", port)
+        end
+        conf.paused_until = nil
+        if host ~= conf.master_host or port ~= conf.master_port then
+            conf.master_host, conf.master_port = host, port
+            conf.gen = conf.gen + 1
+        end
+        return
+    end
+    -- "<type> <name> <ip> <port>[ @ <master name> <ip> <port>]"
+    local name = str_match(data, " @ (%S+) ") or str_match(data,
+                                                          "^master (%S+) ")
+    if name ~= conf.master_name then
+        return
+    end
+    if channel == "+failover-state-send-slaveof-noone" then
+        ngx_log(ngx_NOTICE, LOG_TAG, "failover of ", name, " started: ",
+                "nothing is written until the new master is known")
+        conf.paused_until = ngx_now() + PAUSE_MAX
+        conf.master_host = nil
+        conf.gen = conf.gen + 1
+    elseif conf.paused_until then
+        ngx_log(ngx_NOTICE, LOG_TAG, "failover of ", name, " ended (",
+                channel, ")")
+        conf.paused_until = nil
+    end
+end
+
+
+-- follows one Sentinel's events until the worker exits
+local function follow(conf, s)
+    local fails = 0
+    while not worker_exiting() do
+        local red = redis:new()
+        red:set_timeout(conf.connect_timeout * 1000)
+        local ok, err = red:connect(s.host, s.port)
+        if ok then
+            ok, err = red:psubscribe(unpack(WATCHED))
+        end
+        if ok then
+            fails = 0
+            red:set_timeout(WATCH_READ * 1000)
+            while not worker_exiting() do
+                local res
+                res, err = red:read_reply()
+                if res then
+                    if res[1] == "pmessage" then
+                        on_event(conf, res[3], res[4])
+                    end
+                elseif err ~= "timeout" then
+                    break
+                end
+            end
+        end
+        red:close()
+        if worker_exiting() then
+            break
+        end
+        fails = fails + 1
+        if fails == 1 then
+            ngx_log(ngx_WARN, LOG_TAG, "cannot follow the failovers of ",
+                    "sentinel ", s.host, ":", s.port, ": ", tostring(err))
+        end
+        ngx_sleep(_M.backoff(fails, 0.1, 5))
+    end
+end
+
+
+local function watch_all(premature, conf, list)
+    if premature then
+        return
+    end
+    local threads = {}
+    for i = 1, #list do
+        threads[i] = thread_spawn(follow, conf, list[i])
+    end
+    for i = 1, #threads do
+        thread_wait(threads[i])
+    end
+end
+
+
+-- watch(conf): in init_worker, once per conf and worker: one connection
+-- per Sentinel subscribed to its failover events (only the leader of a
+-- failover sends the first one). A no-op without Sentinels.
+function _M.watch(conf)
+    if not conf.sentinels or conf.watching then
+        return true
+    end
+    local list = {}
+    for i = 1, #conf.sentinels do
+        list[i] = conf.sentinels[i]
+    end
+    local ok, err = timer_at(0, watch_all, conf, list)
+    if not ok then
+        return nil, "failed to watch the sentinels: " .. tostring(err)
+    end
+    conf.watching = true
+    return true
 end
 
 
