@@ -9,7 +9,7 @@ import time
 
 from clusterconf import (need_sentinel, redis_factory,  # noqa: F401
                          start_node, wait_readers, publish, tally, stats,
-                         runs, PEER_GONE)
+                         runs, wait_tally, PEER_GONE)
 
 pytestmark = need_sentinel
 
@@ -139,20 +139,12 @@ def test_manual_failover_mid_stream_loses_nothing(redis_factory, nginx):
     t.start()
     time.sleep(2)
     sentinels[0].cli("SENTINEL", "FAILOVER", "m")
-    since = time.time()
-    while "role:master" not in replica.cli("INFO", "replication"):
-        assert time.time() < since + 30, "the replica was not promoted"
-        time.sleep(0.02)
+    wait_failover(replica, time.time())
     xadds = command_calls(master, "xadd")
     t.join()
     assert out[0]["ok"] == 6000, out
     expect = {("m", s) for s in range(1, 6001)}
-    deadline = time.time() + 30
-    while True:
-        res, lost, dups = tally(nodes, expect)
-        if lost == 0 or time.time() > deadline:
-            break
-        time.sleep(0.2)
+    res, lost, dups = wait_tally(nodes, expect, timeout=30)
     late = command_calls(master, "xadd") - xadds
     print("XADDs on the old master after the promotion: %d; lost %d, "
           "duplicates %d: %s" % (late, lost, dups, res))
@@ -232,9 +224,7 @@ def test_timers_never_write_to_a_demoted_master(redis_factory, nginx):
     wait_sentinels_agree(sentinels, master)
     sentinels[0].cli("SENTINEL", "FAILOVER", "m")
     since = time.time()
-    while "role:master" not in replica.cli("INFO", "replication"):
-        assert time.time() < since + 30, "the replica was not promoted"
-        time.sleep(0.02)
+    wait_failover(replica, since)
     promoted_at = time.time()
     at_promotion = command_calls(master, "eval")
     while "role:slave" not in master.cli("INFO", "replication"):
