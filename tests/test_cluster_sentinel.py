@@ -151,7 +151,7 @@ def test_manual_failover_mid_stream_loses_nothing(redis_factory, nginx):
     assert late == 0
     assert (lost, dups) == (0, 0), res
     for n in nodes:
-        n.allow_log(r"\[loom.cluster\] ")
+        # a failover is an expected state: notices only, no [error] of ours
         n.allow_log(PEER_GONE)
 
 
@@ -249,6 +249,6 @@ def test_timers_never_write_to_a_demoted_master(redis_factory, nginx):
     assert len(late) >= 15 and late == list(range(late[0], late[-1] + 1)), \
         late
     for n in nodes:
-        # connections the Sentinel closed on the demoted master
-        n.allow_log(r"\[loom.cluster(.timer)?\] ")
+        # connections closed on the demoted master; a failover is an
+        # expected state: notices only, no [error] of ours
         n.allow_log(PEER_GONE)

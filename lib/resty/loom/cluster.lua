@@ -393,7 +393,8 @@ local function sender(premature, self)
                 end
                 self.dict:set(DOWN_KEY, true)
                 count(self, "send_errors")
-                log_throttled(self, ngx_ERR, "send",
+                log_throttled(self, err == rconn.FAILOVER and ngx_NOTICE
+                                    or ngx_ERR, "send",
                               "failed to send events: " .. tostring(err)
                               .. "; " .. (self.q_tail - self.q_head)
                               .. " queued")
@@ -940,7 +941,8 @@ local function read_forever(self, key, group, from)
         if not ok then
             fails = fails + 1
             count(self, "read_errors")
-            log_throttled(self, ngx_ERR, "read " .. key,
+            log_throttled(self, err == rconn.FAILOVER and ngx_NOTICE
+                                or ngx_ERR, "read " .. key,
                           "reader: " .. tostring(err))
             ngx_sleep(rconn.backoff(fails, self.backoff_min,
                                     self.backoff_max))

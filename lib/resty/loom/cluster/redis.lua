@@ -59,6 +59,10 @@ local REDIS_KEYS = {
 
 local _M = { _VERSION = "0.2.0" }
 
+-- what connect() returns during a failover (an expected state: callers log
+-- it at notice level, not as an error)
+_M.FAILOVER = "failover in progress"
+
 
 -- level: of the user's call, as seen from the caller of these two
 local function check_port(p, what, level)
@@ -242,7 +246,7 @@ function _M.connect(conf, read_timeout)
     local paused = conf.paused_until
     if paused then
         if ngx_now() < paused then
-            return nil, "failover in progress"
+            return nil, _M.FAILOVER
         end
         conf.paused_until = nil
     end
