@@ -9,6 +9,7 @@ import socket
 import threading
 import time
 
+from loomtest.nginx import close_listener
 from clusterconf import (need_redis, redis_factory,  # noqa: F401
                          start_node, runs, need_faketime, FAKETIME,
                          PEER_GONE)
@@ -136,7 +137,11 @@ class CuttingProxy:
                 c, _ = self.srv.accept()
             except OSError:
                 return
-            u = socket.create_connection(("127.0.0.1", self.upstream))
+            try:
+                u = socket.create_connection(("127.0.0.1", self.upstream))
+            except OSError:
+                c.close()
+                continue
             state = {"cut": False}
             threading.Thread(target=self.up, args=(c, u, state),
                              daemon=True).start()
@@ -178,7 +183,7 @@ class CuttingProxy:
             pass
 
     def close(self):
-        self.srv.close()
+        close_listener(self.srv)
 
 
 def test_a_period_whose_reply_was_lost_still_runs(redis_factory, nginx):

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from loomtest.nginx import close_listener
 from pubsub import certs
 
 
@@ -60,7 +61,7 @@ class RawServer:
 
     def close(self):
         self.stopped = True
-        self.sock.close()
+        close_listener(self.sock)
 
 
 def read_request(c, buf=b""):

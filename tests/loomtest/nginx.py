@@ -97,6 +97,18 @@ http {{
 """
 
 
+def close_listener(sock):
+    """Closes a listening socket that a thread may be blocked in accept()
+    on: close() alone leaves it listening (the blocked accept() holds it)
+    and accepting connections for the rest of the session; shutdown()
+    wakes the accept() with an error first."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
+
+
 def free_port():
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
