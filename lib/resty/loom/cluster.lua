@@ -303,6 +303,16 @@ function _M.publish(self, target, source, event, data)
 end
 
 
+-- the node's "Redis down" mark (DOWN_KEY), set and cleared by any worker
+local function mark_node_down(self, down)
+    if down then
+        self.dict:set(DOWN_KEY, true)
+    elseif self.dict:get(DOWN_KEY) then
+        self.dict:delete(DOWN_KEY)
+    end
+end
+
+
 local function drop_queued(self, upto)
     local q_t, q_p = self.q_t, self.q_p
     for i = self.q_head + 1, upto do
@@ -382,19 +392,16 @@ local function sender(premature, self)
                     ngx_log(ngx_NOTICE, LOG_TAG, "redis reachable again, ",
                             self.q_tail - self.q_head, " events queued")
                 end
-                if self.dict:get(DOWN_KEY) then
-                    self.dict:delete(DOWN_KEY)
-                end
+                mark_node_down(self, false)
                 fails = 0
             else
                 if not self.down then
                     self.down = true
                     count(self, "redis_down")
                 end
-                self.dict:set(DOWN_KEY, true)
+                mark_node_down(self, true)
                 count(self, "send_errors")
-                log_throttled(self, err == rconn.FAILOVER and ngx_NOTICE
-                                    or ngx_ERR, "send",
+                log_throttled(self, rconn.log_level(err), "send",
                               "failed to send events: " .. tostring(err)
                               .. "; " .. (self.q_tail - self.q_head)
                               .. " queued")
@@ -925,12 +932,8 @@ local function read_forever(self, key, group, from)
     while self.reading and not worker_exiting() do
         local red, err = rconn.connect(self.redis, self.block + 5)
         local ok
-        if not red then
-            self.dict:set(DOWN_KEY, true)
-        else
-            if self.dict:get(DOWN_KEY) then
-                self.dict:delete(DOWN_KEY)
-            end
+        mark_node_down(self, not red)
+        if red then
             if fails > 0 then
                 ngx_log(ngx_NOTICE, LOG_TAG, "reading ", key, " again")
             end
@@ -941,8 +944,7 @@ local function read_forever(self, key, group, from)
         if not ok then
             fails = fails + 1
             count(self, "read_errors")
-            log_throttled(self, err == rconn.FAILOVER and ngx_NOTICE
-                                or ngx_ERR, "read " .. key,
+            log_throttled(self, rconn.log_level(err), "read " .. key,
                           "reader: " .. tostring(err))
             ngx_sleep(rconn.backoff(fails, self.backoff_min,
                                     self.backoff_max))

@@ -22,6 +22,7 @@ local ngx_now = ngx.now
 local ngx_sleep = ngx.sleep
 local ngx_log = ngx.log
 local ngx_NOTICE = ngx.NOTICE
+local ngx_ERR = ngx.ERR
 local ngx_WARN = ngx.WARN
 local worker_exiting = ngx.worker.exiting
 local thread_spawn = ngx.thread.spawn
@@ -59,9 +60,9 @@ local REDIS_KEYS = {
 
 local _M = { _VERSION = "0.2.0" }
 
--- what connect() returns during a failover (an expected state: callers log
--- it at notice level, not as an error)
-_M.FAILOVER = "failover in progress"
+-- what connect() returns during a failover: an expected state, logged at
+-- notice level (log_level)
+local FAILOVER = "failover in progress"
 
 
 -- level: of the user's call, as seen from the caller of these two
@@ -246,7 +247,7 @@ function _M.connect(conf, read_timeout)
     local paused = conf.paused_until
     if paused then
         if ngx_now() < paused then
-            return nil, _M.FAILOVER
+            return nil, FAILOVER
         end
         conf.paused_until = nil
     end
@@ -300,14 +301,13 @@ local function on_event(conf, channel, data)
             return
         end
         port = tonumber(port)
-        if conf.paused_until or host ~= conf.master_host
-           or port ~= conf.master_port
-        then
+        local moved = host ~= conf.master_host or port ~= conf.master_port
+        if moved or conf.paused_until then
             ngx_log(ngx_NOTICE, LOG_TAG, "master ", name, " is now ", host,
                     ":", port)
         end
         conf.paused_until = nil
-        if host ~= conf.master_host or port ~= conf.master_port then
+        if moved then
             conf.master_host, conf.master_port = host, port
             conf.gen = conf.gen + 1
         end
@@ -403,6 +403,13 @@ function _M.watch(conf)
     end
     conf.watching = true
     return true
+end
+
+
+-- the level to log a failure to reach Redis at (err: what connect() or a
+-- command returned)
+function _M.log_level(err)
+    return err == FAILOVER and ngx_NOTICE or ngx_ERR
 end
 
 

@@ -11,8 +11,6 @@
 local rconn = require "resty.loom.cluster.redis"
 
 local ngx_log = ngx.log
-local ngx_ERR = ngx.ERR
-local ngx_NOTICE = ngx.NOTICE
 local ngx_now = ngx.now
 local timer_every = ngx.timer.every
 local floor = math.floor
@@ -125,8 +123,8 @@ local function log_failure(st, what, err)
     local now = ngx_now()
     if now - st.logged >= 10 then
         st.logged = now
-        ngx_log(err == rconn.FAILOVER and ngx_NOTICE or ngx_ERR, LOG_TAG,
-                st.name, ": failed to ", what, ": ", tostring(err))
+        ngx_log(rconn.log_level(err), LOG_TAG, st.name, ": failed to ",
+                what, ": ", tostring(err))
     end
 end
 
