@@ -49,6 +49,41 @@ end
 
 _M.boolean = of_type("boolean", "a boolean")
 _M.string = of_type("string", "a string")
+_M.table = of_type("table", "a table")
+_M.func = of_type("function", "a function")
+
+
+-- a number above lo (exclusive) and at most hi: timeouts, intervals
+function _M.above(lo, hi)
+    local what = "a number above " .. lo .. " and at most " .. hi
+    return function(v)
+        if type(v) ~= "number" or not (v > lo and v <= hi) then
+            return what
+        end
+    end
+end
+
+
+-- a string of 1 to max bytes
+function _M.text(max)
+    local what = "a string of 1 to " .. max .. " bytes"
+    return function(v)
+        if type(v) ~= "string" or #v == 0 or #v > max then
+            return what
+        end
+    end
+end
+
+
+-- anything ok(v) accepts (ok returns a true value); what says what it is:
+-- for the rules no builder above covers ("an absolute path")
+function _M.test(ok, what)
+    return function(v)
+        if not ok(v) then
+            return what
+        end
+    end
+end
 
 
 -- one of the given strings: 'must be "a", "b" or "c"'
@@ -83,27 +118,31 @@ function _M.or_value(rule, value, what)
 end
 
 
--- raises "opts.<name> must be ..." unless rule accepts v; level as error()'s
--- counted from the function calling this one
-function _M.value(name, v, rule, level)
+-- raises "<path>.<name> must be ..." unless rule accepts v; level as
+-- error()'s counted from the function calling this one; path defaults to
+-- "opts" (a nested table's is "opts.redis")
+function _M.value(name, v, rule, level, path)
     local bad = rule(v)
     if bad then
-        error("opts." .. name .. " must be " .. bad, level + 1)
+        error((path or "opts") .. "." .. name .. " must be " .. bad,
+              level + 1)
     end
 end
 
 
--- every key of opts has a rule and passes it; level as in value()
-function _M.check(opts, rules, level)
+-- every key of opts has a rule and passes it; level and path as in value()
+function _M.check(opts, rules, level, path)
+    path = path or "opts"
     if type(opts) ~= "table" then
-        error("opts must be a table", level + 1)
+        error(path .. " must be a table", level + 1)
     end
     for k, v in pairs(opts) do
         local rule = rules[k]
         if rule == nil then
-            error("opts." .. tostring(k) .. " is not an option", level + 1)
+            error(path .. "." .. tostring(k) .. " is not an option",
+                  level + 1)
         end
-        _M.value(k, v, rule, level + 1)
+        _M.value(k, v, rule, level + 1, path)
     end
 end
 
