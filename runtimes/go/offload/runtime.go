@@ -2,12 +2,6 @@ package offload
 
 /*
 #cgo CFLAGS: -I${SRCDIR}/../../../include -O2
-#cgo noescape loom_go_next
-#cgo nocallback loom_go_next
-#cgo noescape loom_go_cancelled
-#cgo nocallback loom_go_cancelled
-#cgo noescape loom_go_answer
-#cgo nocallback loom_go_answer
 
 #define LOOM_OFFLOAD_NO_PROTOTYPES
 #include <loom_offload.h>
@@ -23,7 +17,7 @@ package offload
 
 // cgo cannot call through C function pointers: small trampolines. The
 // ones on the hot path never call back into Go nor keep a pointer past
-// the call, which the directives above tell cgo, so that arguments stay
+// the call, which noescape.go tells cgo (Go 1.24+), so that arguments stay
 // on the stack.
 
 // What loom_go_next() hands to Go: the task taken, its request bytes,
@@ -260,8 +254,8 @@ func (in *instance) log(level C.int, msg string) {
 	if len(msg) == 0 {
 		return
 	}
-	p := unsafe.Pointer(unsafe.StringData(msg))
-	C.loom_go_log(in.host, in.queue, level, (*C.char)(p), C.size_t(len(msg)))
+	p, n := cBytes(msg)
+	C.loom_go_log(in.host, in.queue, level, p, n)
 }
 
 func (in *instance) cancelled(t *task) bool {
@@ -372,9 +366,19 @@ func addServing(n int) {
 	runtime.GOMAXPROCS(procsBase + serving)
 }
 
+// cBytes: msg's bytes for a C call that copies them before it returns.
+// A copy, as Go 1.19 has no unsafe.StringData; only cold paths use it.
+func cBytes(msg string) (*C.char, C.size_t) {
+	if len(msg) == 0 {
+		return nil, 0
+	}
+	b := []byte(msg)
+	return (*C.char)(unsafe.Pointer(&b[0])), C.size_t(len(b))
+}
+
 func setErr(args *C.loom_offload_init_t, msg string) {
-	p := unsafe.Pointer(unsafe.StringData(msg))
-	C.loom_go_set_err(args, (*C.char)(p), C.size_t(len(msg)))
+	p, n := cBytes(msg)
+	C.loom_go_set_err(args, p, n)
 }
 
 func newHandler(ctor Constructor, cfg *Config) (h Handler, err error) {

@@ -61,7 +61,10 @@ func sleep(call *offload.Call, ms int, watchCancel bool) []byte {
 		if watchCancel && call.Cancelled() {
 			return []byte("cancelled")
 		}
-		time.Sleep(min(left, 2*time.Millisecond))
+		if left > 2*time.Millisecond {
+			left = 2 * time.Millisecond
+		}
+		time.Sleep(left)
 	}
 }
 
@@ -90,7 +93,7 @@ func (c *cache) Handle(call *offload.Call) ([]byte, error) {
 		return v, nil
 	case "put":
 		k, v, _ := bytes.Cut(arg, []byte("="))
-		c.put(string(k), bytes.Clone(v))
+		c.put(string(k), append([]byte(nil), v...))
 		return []byte("ok"), nil
 	case "get":
 		if v, ok := c.get(string(arg)); ok {
