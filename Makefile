@@ -20,8 +20,10 @@ NGINX        ?= /usr/sbin/nginx
 # on PATH.
 PYTHON       ?= /usr/bin/python3
 PYTEST_ARGS  ?=
-# Go and Rust are not Debian packages here: where go.dev's tarball and
-# rustup put them, for a shell whose PATH lacks them (sudo, CI)
+# Go and Rust: Debian's golang-go (1.19) and cargo (rustc 1.63) from
+# make deps are enough; a newer toolchain from go.dev's tarball or rustup
+# is used when PATH names it first, and these are its usual places for a
+# shell whose PATH lacks them (sudo, CI)
 TOOLCHAIN_PATH ?= /usr/local/go/bin:$(HOME)/.cargo/bin
 export PATH  := $(PATH):$(TOOLCHAIN_PATH)
 SRC_DIR      := $(BUILD_DIR)/nginx-src
@@ -106,8 +108,8 @@ $(SINK): tests/pubsub/sink.c
 
 runtimes:
 	@for t in go cargo; do command -v $$t >/dev/null || { echo "make" \
-	    "runtimes needs $$t on PATH: Go 1.24+ from go.dev, Rust from" \
-	    "rustup or Debian's cargo-web"; exit 1; }; done
+	    "runtimes needs $$t on PATH: make deps installs Debian's" \
+	    "golang-go and cargo"; exit 1; }; done
 	@for d in $(RUNTIMES); do $(MAKE) -C $$d all || exit 1; done
 
 # the example C runtime alone: the gateway's /offload endpoints use it

@@ -70,6 +70,13 @@ def test_body_over_the_limit_is_413_json(gateway):
     assert b'"error"' in body
 
 
+def test_version_answers_as_the_readme_says(gateway):
+    # the README's curl right after `make run`
+    r = gateway.get("/version")
+    from test_packaging import VERSION
+    assert (r.status, r.text) == (200, VERSION + "\n")
+
+
 def test_unknown_path_is_404_json(gateway):
     assert json_error(gateway.get("/loom/nope"), 404) == "not found"
     json_error(gateway.get("/config/missing"), 404)
