@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from loomtest.nginx import (BAD_LOG, NGINX, ROOT, free_port,
+from loomtest.nginx import (BAD_LOG, NGINX, ROOT, free_port, local_modules,
                             readable_checkout)
 
 RUN_LANGS = {"nginx", "lua", "sh", "rust", "go", "go-mod", "python", "c",
@@ -112,6 +112,7 @@ def examples():
 
 
 def substitute(text, prefix, port):
+    text = local_modules(text)
     text = text.replace("/path/to/resty-loom", readable_checkout())
     text = text.replace("/run/myapp", os.path.join(prefix, "run"))
     return PORT_RX.sub("127.0.0.1:%d" % port, text)

@@ -14,8 +14,15 @@ import tempfile
 import time
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-NGINX = os.environ.get("LOOM_NGINX", "/usr/sbin/nginx")
-MODULE_DIR = os.environ.get("LOOM_NGINX_MODULES", "/usr/share/nginx/modules")
+DEBIAN_NGINX = "/usr/sbin/nginx"
+NGINX = os.environ.get("LOOM_NGINX", DEBIAN_NGINX)
+DEBIAN_MODULE_DIR = "/usr/share/nginx/modules"
+MODULE_DIR = os.environ.get("LOOM_NGINX_MODULES", DEBIAN_MODULE_DIR)
+# the source tree of LOOM_NGINX, for the tests that build the module
+# themselves (make install, luarocks); Debian's nginx-dev by default
+NGINX_SRC = os.environ.get("LOOM_NGINX_SRC",
+                           "/usr/share/nginx/src" if NGINX == DEBIAN_NGINX
+                           else None)
 LOOM_MODULE = os.environ.get(
     "LOOM_MODULE", os.path.join(ROOT, "build", "ngx_loom_module.so"))
 
@@ -50,6 +57,15 @@ def readable_checkout(root=ROOT):
         shutil.copytree(root, copy, symlinks=True, ignore=_not_copied)
         _copies[root] = copy
     return _copies[root]
+
+
+def local_modules(conf):
+    """conf with its Debian `load_module` lines written the way a user of
+    the nginx under test writes them: from LOOM_NGINX_MODULES, and our
+    module from LOOM_MODULE."""
+    conf = conf.replace("/path/to/resty-loom/build/ngx_loom_module.so",
+                        LOOM_MODULE)
+    return conf.replace(DEBIAN_MODULE_DIR + "/", MODULE_DIR.rstrip("/") + "/")
 
 CONF = """\
 load_module {module_dir}/ndk_http_module.so;
