@@ -118,6 +118,15 @@ def test_metrics_pass_promtool(gw):
     for name, labels, _ in samples:
         assert name.startswith("loom_")
         assert re.search(r'worker="[01]"', labels), (name, labels)
+    # values as a person reads them: at most 15 significant digits (no
+    # float noise such as 17.886000156402588), uptime in milliseconds
+    for line in r.text.splitlines():
+        if not line.startswith("#"):
+            value = line.rsplit(" ", 1)[1]
+            digits = re.sub(r"e.*$", "", value).lstrip("-").replace(".", "")
+            assert len(digits.lstrip("0")) <= 15, line
+            if line.startswith("loom_worker_uptime_seconds"):
+                assert re.match(r"^\d+(\.\d{1,3})?$", value), line
     # histograms: cumulative buckets, +Inf equal to _count
     by = {}
     for name, labels, v in samples:

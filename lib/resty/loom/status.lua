@@ -425,7 +425,9 @@ function _M.snapshot()
     local w = {
         pid = ngx.worker.pid(),
         id = ngx.worker.id(),
-        uptime_s = ngx_now() - started,
+        -- ngx.now() counts milliseconds: the difference of two such
+        -- doubles carries float noise (17.886000156402588)
+        uptime_s = floor((ngx_now() - started) * 1000 + 0.5) / 1000,
         lua_memory_bytes = collectgarbage("count") * 1024,
     }
     local events = loaded["resty.loom.events"]

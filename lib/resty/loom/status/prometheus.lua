@@ -10,7 +10,6 @@ local pairs = pairs
 local ipairs = ipairs
 local type = type
 local tostring = tostring
-local tonumber = tonumber
 local str_format = string.format
 local str_gsub = string.gsub
 local str_match = string.match
@@ -189,13 +188,10 @@ local function num(v)
     elseif v == floor(v) and v < 1e15 and v > -1e15 then
         return str_format("%d", v)
     end
-    -- the shortest form that reads back the same: le="0.0025", which
-    -- PromQL selectors can match, not le="0.0025000000000000001"
-    local short = str_format("%.15g", v)
-    if tonumber(short) == v then
-        return short
-    end
-    return str_format("%.17g", v)
+    -- 15 significant digits, what a double holds exactly: le="0.0025",
+    -- which PromQL selectors can match, and 0.3 for 0.1 + 0.2, not
+    -- 0.30000000000000004 (the last two digits are float noise)
+    return str_format("%.15g", v)
 end
 
 
