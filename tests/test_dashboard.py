@@ -126,4 +126,11 @@ def test_dashboard_shows_the_workload(gw, browser):  # noqa: F811
         "href").endswith("/loom/blocking?format=svg")
     assert SECRET not in d.page_source
     assert severe(d) == []
+    # at 1,400 px every panel fits: no horizontal scrollbar
+    wide = d.execute_script(
+        "return Array.from(document.querySelectorAll('section'))"
+        ".filter(function (s) { return s.scrollWidth > s.clientWidth; })"
+        ".map(function (s) { return s.id + ' ' + s.scrollWidth + '>' +"
+        " s.clientWidth; });")
+    assert wide == [], wide
     print("stall shown %.2f s after the request" % took)

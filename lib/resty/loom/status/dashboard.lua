@@ -24,14 +24,21 @@ header { background: #1d2b3a; color: #fff; padding: 8px 16px; }
 header b { font-size: 16px; margin-right: 16px; }
 #error { color: #ffb4b4; margin-left: 16px; }
 main { display: grid; grid-template-columns: repeat(auto-fit,
-       minmax(560px, 1fr)); gap: 12px; padding: 12px; }
+       minmax(560px, 1fr)); grid-auto-flow: dense; gap: 12px;
+       padding: 12px; }
 section { overflow-x: auto; background: #fff; border-radius: 4px; padding: 8px 12px;
           box-shadow: 0 1px 2px rgba(0,0,0,.15); }
 h2 { font-size: 14px; margin: 0 0 6px; }
 table { border-collapse: collapse; width: 100%; }
 th, td { text-align: right; padding: 2px 6px;
          border-bottom: 1px solid #eee; white-space: nowrap; }
+/* headings and the names in the first column wrap at spaces, figures do
+   not; the 10-11 columns of Events and Offload take a whole row, and the
+   smaller panels fill the rows between them (dense) */
+th { white-space: normal; vertical-align: bottom; }
 th:first-child, td:first-child { text-align: left; }
+td:first-child { white-space: normal; }
+#events, #offload { grid-column: 1 / -1; }
 td.bad { color: #b00020; font-weight: bold; }
 canvas { max-height: 160px; }
 .stall { border-top: 1px solid #eee; padding: 4px 0; }
