@@ -5,6 +5,7 @@
 -- its methods: jobs, schedule, sites, create, control and run hold the rest.
 
 
+local options = require "resty.loom.opts"
 local wheel = require "resty.loom.timer.wheel"
 local stats = require "resty.loom.timer.stats"
 local job = require "resty.loom.timer.jobs"
@@ -15,7 +16,6 @@ local run = require "resty.loom.timer.run"
 
 local floor = math.floor
 local random = math.random
-local type = type
 local error = error
 local setmetatable = setmetatable
 local pairs = pairs
@@ -28,14 +28,30 @@ end
 
 
 local ID_SPAN = job.ID_SPAN
-local MAX_SECONDS = 1e9
+
+
+-- any value (ctx is only handed back to wake)
+local function any() end
+
+local RULES = {
+    resolution = options.number(0.001, 1),
+    clock = options.func,
+    wake = options.func,
+    ctx = any,
+    log = options.func,
+    random = options.func,
+    stats = options.boolean,
+    precise_sites = options.boolean,
+    site_level = options.whole(1, 100),
+    err_level = options.whole(1, 100),
+    max_run_time = options.above(0, 1e9),
+    max_names = options.whole(0, 1e6),
+}
 
 
 local _M = {
     _VERSION = "0.2.0",
     MAX_TIMERS = ID_SPAN - 1,
-    AT_OPTS = create.AT_OPTS,
-    EVERY_OPTS = create.EVERY_OPTS,
     at = create.at,
     every = create.every,
     cancel = control.cancel,
@@ -54,11 +70,6 @@ local _M = {
 local mt = { __index = _M }
 
 
-local function seconds_over(v)
-    return type(v) == "number" and v > 0 and v <= MAX_SECONDS
-end
-
-
 local function default_log(_, msg)
     io.stderr:write(msg, "\n")
 end
@@ -66,28 +77,14 @@ end
 
 function _M.new(opts)
     opts = opts or {}
-    if type(opts) ~= "table" then
-        error("opts must be a table", 2)
+    options.check(opts, RULES, 2)
+    local clock = opts.clock
+    if clock == nil then
+        error("opts.clock is required", 2)
     end
     local res = opts.resolution or 0.01
-    if type(res) ~= "number" or not (res >= 0.001 and res <= 1) then
-        error("opts.resolution must be a number between 0.001 and 1", 2)
-    end
-    local clock = opts.clock
-    if type(clock) ~= "function" then
-        error("opts.clock must be a function", 2)
-    end
     local max_rt = opts.max_run_time
-    if max_rt ~= nil and not seconds_over(max_rt) then
-        error("opts.max_run_time must be a number of seconds over 0, "
-              .. "at most 1e9", 2)
-    end
     local max_names = opts.max_names or 1000
-    if type(max_names) ~= "number"
-       or not (max_names >= 0 and max_names <= 1e6)
-    then
-        error("opts.max_names must be a number from 0 to 1e6", 2)
-    end
     local cap = 1024
     local res_us = floor(res * 1e6 + 0.5)
     local now = clock()

@@ -3,6 +3,7 @@
 
 
 local bit = require "bit"
+local options = require "resty.loom.opts"
 local job = require "resty.loom.timer.jobs"
 local sched = require "resty.loom.timer.schedule"
 local sites = require "resty.loom.timer.sites"
@@ -44,54 +45,24 @@ local ZERO_MS = 2 ^ 64
 local MAX_SECONDS = 1e9     -- about 31 years: longer is a mistake
 
 
-local function seconds_from(v)
-    return type(v) == "number" and v >= 0 and v <= MAX_SECONDS
-end
-
-
-local function seconds_over(v)
-    return type(v) == "number" and v > 0 and v <= MAX_SECONDS
-end
-
-
-local function interval_ok(v)
-    return type(v) == "number" and v >= 0.001 and v <= MAX_SECONDS
-end
-
-
-local function is_string(v)
-    return type(v) == "string"
-end
-
-
-local function is_boolean(v)
-    return type(v) == "boolean"
-end
-
-
-local function is_mode(v)
-    return MODES[v] ~= nil
-end
-
-
--- the options of at() and every(): name -> { check, what it must be }.
--- An option is added here and nowhere else.
-local SECONDS = "a number of seconds from 0 to 1e9"
-local COMMON_OPTS = {
-    name = { is_string, "a string" },
-    replace = { is_boolean, "a boolean" },
-    jitter = { seconds_from, SECONDS },
-    max_run_time = { seconds_over, "a number of seconds over 0, at most 1e9" },
+-- the options of at() and every(): name -> rule (resty.loom.opts). An
+-- option is added here and nowhere else.
+local SECONDS = options.number(0, MAX_SECONDS)
+local COMMON_RULES = {
+    name = options.string,
+    replace = options.boolean,
+    jitter = SECONDS,
+    max_run_time = options.above(0, MAX_SECONDS),
 }
-local AT_OPTS = { delay = { seconds_from, SECONDS } }
-local EVERY_OPTS = {
-    interval = { interval_ok, "a number of seconds from 0.001 to 1e9" },
-    delay = { seconds_from, SECONDS },
-    mode = { is_mode, "\"fixed_rate\" or \"fixed_delay\"" },
+local AT_RULES = { delay = SECONDS }
+local EVERY_RULES = {
+    interval = options.number(0.001, MAX_SECONDS),
+    delay = SECONDS,
+    mode = options.one_of("fixed_rate", "fixed_delay"),
 }
-for k, v in pairs(COMMON_OPTS) do
-    AT_OPTS[k] = v
-    EVERY_OPTS[k] = v
+for k, v in pairs(COMMON_RULES) do
+    AT_RULES[k] = v
+    EVERY_RULES[k] = v
 end
 
 
@@ -191,14 +162,17 @@ local function argerror(self, fname, msg)
 end
 
 
-local function check_opts(self, fname, opts, spec, required)
+-- the rules' wording (resty.loom.opts), inside at()'s and every()'s
+-- "bad argument" like their other argument errors
+local function check_opts(self, fname, opts, rules, required)
     for k, v in pairs(opts) do
-        local c = spec[k]
-        if not c then
+        local rule = rules[k]
+        if not rule then
             argerror(self, fname, "opts." .. tostring(k) .. " is not an option")
         end
-        if not c[1](v) then
-            argerror(self, fname, "opts." .. k .. " must be " .. c[2])
+        local bad = rule(v)
+        if bad then
+            argerror(self, fname, "opts." .. k .. " must be " .. bad)
         end
     end
     if opts[required] == nil then
@@ -243,11 +217,7 @@ local function check_callback(self, fname, cb)
 end
 
 
-local _M = {
-    _VERSION = "0.2.0",
-    AT_OPTS = AT_OPTS,
-    EVERY_OPTS = EVERY_OPTS,
-}
+local _M = { _VERSION = "0.2.0" }
 
 
 -- at(delay | opts, callback, ...) -> handle | nil, err
@@ -255,7 +225,7 @@ function _M.at(self, delay, cb, ...)
     local opts
     if type(delay) == "table" then
         opts = delay
-        check_opts(self, "at", opts, AT_OPTS, "delay")
+        check_opts(self, "at", opts, AT_RULES, "delay")
         delay = opts.delay
     else
         delay = number_arg(self, "at", delay)
@@ -275,7 +245,7 @@ function _M.every(self, interval, cb, ...)
     local delay
     if type(interval) == "table" then
         opts = interval
-        check_opts(self, "every", opts, EVERY_OPTS, "interval")
+        check_opts(self, "every", opts, EVERY_RULES, "interval")
         interval = opts.interval
         mode = MODES[opts.mode or "fixed_rate"]
         delay = opts.delay
