@@ -528,8 +528,29 @@ case("argument errors name the caller; the options form is strict",
            "opts.mode must be")
     raises(function() e.t:at({ delay = 1, name = 3 }, print) end,
            "opts.name must be a string")
+    raises(function() e.t:at({ delay = -1 }, print) end,
+           "opts.delay must be a number from 0 to 1000000000")
+    raises(function() e.t:every({ interval = 1, mode = "x" }, print) end,
+           'opts.mode must be "fixed_rate" or "fixed_delay"')
     local ok, err = pcall(core.new, { clock = os.time, resolution = 0 / 0 })
     check(not ok and err:find("opts.resolution must be", 1, true), err)
+    -- new(): every option known and checked, the clock required
+    for opts, msg in pairs({
+        [{ clock = os.time, resolution = 2 }] =
+            "opts.resolution must be a number from 0.001 to 1",
+        [{ clock = os.time, nope = 1 }] = "opts.nope is not an option",
+        [{ clock = os.time, max_run_time = 1 / 0 }] =
+            "opts.max_run_time must be a number above 0 and at most",
+        [{ clock = os.time, max_names = 0.5 }] =
+            "opts.max_names must be a whole number from 0 to 1000000",
+        [{ clock = os.time, stats = "no" }] = "opts.stats must be a boolean",
+        [{ clock = 1 }] = "opts.clock must be a function",
+        [{}] = "opts.clock is required",
+        [0] = "opts must be a table",
+    }) do
+        ok, err = pcall(core.new, opts)
+        check(not ok and err:find(msg, 1, true), tostring(err))
+    end
     eq(e.t:counts().timers, 0, "nothing was created")
 end)
 

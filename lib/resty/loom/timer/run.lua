@@ -1,0 +1,258 @@
+-- Running timers: the next queued job's callback, with its statistics,
+-- errors and overruns, then its next due time (or its end); and the
+-- worker's exit, which runs every job left once with premature = true.
+
+
+local bit = require "bit"
+local job = require "resty.loom.timer.jobs"
+local sched = require "resty.loom.timer.schedule"
+local stats = require "resty.loom.timer.stats"
+local on_error = require("resty.loom.error_handler").handler
+
+local band = bit.band
+local bor = bit.bor
+local floor = math.floor
+local xpcall = xpcall
+local unpack = unpack
+local tostring = tostring
+local str_sub = string.sub
+local record = stats.record
+local release_name = job.release_name
+local free_job = job.free_job
+local pop = sched.pop
+local enqueue = sched.enqueue
+local schedule = sched.schedule
+
+local PENDING = job.PENDING
+local QUEUED = job.QUEUED
+local RUNNING = job.RUNNING
+local PAUSED = job.PAUSED
+local F_CANCEL = job.F_CANCEL
+local F_PAUSE = job.F_PAUSE
+local F_PREMATURE = job.F_PREMATURE
+local F_EXTRA = job.F_EXTRA
+local ONCE = job.ONCE
+local FIXED_RATE = job.FIXED_RATE
+local MANY_ARGS = job.MANY_ARGS
+
+
+local function report_error(self, id, rec, err)
+    local where = rec and rec.key or "?"
+    local name = self.name_of[id]
+    local nrec = self.nrec[id]
+    if not name and nrec then
+        name = nrec.key
+    end
+    local msg = "[loom.timer] timer created at " .. where
+    if name then
+        msg = msg .. " (name \"" .. name .. "\")"
+    end
+    self.log("error", msg .. " failed: " .. tostring(err))
+    local short = str_sub(tostring(err), 1, 300)
+    if rec then
+        rec.errors = rec.errors + 1
+        rec.last_error = short
+    end
+    if nrec then
+        nrec.errors = nrec.errors + 1
+        nrec.last_error = short
+    end
+end
+
+
+local _M = { _VERSION = "0.2.0" }
+
+
+-- runs the next queued job; returns false when the queue is empty.
+-- now: the clock, when the caller has just read it (a lane passes the end
+-- of its previous run: runs back to back cost one clock read each)
+function _M.run_next(self, now)
+    local id, qtime = pop(self)
+    if not id then
+        return false
+    end
+    local j = self.jobs[id]
+    local prem = band(j.flags, F_PREMATURE) ~= 0
+    local mode = j.mode
+    local totals = self.totals
+    j.state = RUNNING
+    local extra = band(j.flags, F_EXTRA) ~= 0
+    -- read by the watchdog (src/ngx_loom_watchdog.c looks for locals of
+    -- these names) when the callback stalls the event loop
+    local loom_timer_name = extra and self.name_of[id] or nil
+    if mode == ONCE and extra then
+        release_name(self, id)      -- so the callback may reuse the name
+    end
+
+    local clock = self.clock
+    local t0 = now or clock()
+    if prem and self.exit_deadline and t0 > self.exit_deadline then
+        self.last_end = t0
+        totals.dropped = totals.dropped + 1
+        free_job(self, id)
+        return true
+    end
+
+    local si = j.site
+    local rec = si ~= 0 and self.site_list[si] or nil
+    -- without statistics the site is unknown: "|" still marks this frame
+    -- as the one that runs the callback
+    local loom_timer_site = rec and rec.watchdog_site or "|"
+    local nrec = extra and self.nrec[id] or nil
+    if rec then
+        rec.running = rec.running + 1
+    end
+    if nrec then
+        nrec.running = nrec.running + 1
+    end
+    self.running = self.running + 1
+
+    local pre = self.pre_run
+    if pre then
+        pre()
+    end
+    local fn = self.cb[id]
+    local n = j.nargs
+    local ok, err
+    if n == 0 then
+        ok, err = xpcall(fn, on_error, prem)
+    elseif n == 1 then
+        ok, err = xpcall(fn, on_error, prem, self.a1[id])
+    elseif n == 2 then
+        ok, err = xpcall(fn, on_error, prem, self.a1[id], self.a2[id])
+    else
+        local argv = self.argv[id]
+        if n == MANY_ARGS then
+            n = argv.n
+        end
+        ok, err = xpcall(fn, on_error, prem, unpack(argv, 1, n))
+    end
+    -- used after the call, so that the JIT keeps both slots live during
+    -- it (a dead slot may hold a stale value when a trace exits)
+    self.last_site = loom_timer_site
+    self.last_name = loom_timer_name
+
+    local t1 = clock()
+    self.last_end = t1
+    self.running = self.running - 1
+    j = self.jobs[id]               -- the array may have grown meanwhile
+    local rt = t1 - t0
+    local late = prem and -1 or t0 - j.due
+    local qw = t0 - qtime
+    totals.runs = totals.runs + 1
+    if prem then
+        totals.premature = totals.premature + 1
+    end
+    if rec then
+        rec.running = rec.running - 1
+        record(rec, rt, late, qw)
+        if prem then
+            rec.premature = rec.premature + 1
+        end
+    end
+    if nrec then
+        nrec.running = nrec.running - 1
+        record(nrec, rt, late, qw)
+        if prem then
+            nrec.premature = nrec.premature + 1
+        end
+    end
+    if not ok then
+        totals.errors = totals.errors + 1
+        report_error(self, id, rec, err)
+    end
+    local mrt = extra and self.maxrt[id] or self.max_rt
+    if mrt and rt > mrt then
+        totals.overruns = totals.overruns + 1
+        if rec then
+            rec.overruns = rec.overruns + 1
+        end
+        if nrec then
+            nrec.overruns = nrec.overruns + 1
+        end
+        self.log("warn", "[loom.timer] timer created at "
+                 .. (rec and rec.key or "?") .. " ran "
+                 .. floor(rt / 1000) .. " ms, over its maximum run time of "
+                 .. floor(mrt / 1000) .. " ms")
+    end
+
+    local flags = j.flags
+    if mode == ONCE or prem or self.exiting
+       or band(flags, F_CANCEL) ~= 0
+    then
+        free_job(self, id)
+
+    elseif band(flags, F_PAUSE) ~= 0 then
+        j.flags = band(flags, F_EXTRA)
+        j.state = PAUSED
+        j.due = j.interval
+        self.paused = self.paused + 1
+
+    else
+        local iv = j.interval
+        local due
+        if mode == FIXED_RATE then
+            due = j.due + iv
+            if due <= t1 then
+                -- missed ticks are skipped (counted), never run in a burst
+                local k = floor((t1 - j.due) / iv)
+                due = j.due + (k + 1) * iv
+                if due <= t1 then
+                    k = k + 1
+                    due = due + iv
+                end
+                local skipped = k
+                totals.skipped = totals.skipped + skipped
+                if rec then
+                    rec.skipped = rec.skipped + skipped
+                end
+                if nrec then
+                    nrec.skipped = nrec.skipped + skipped
+                end
+            end
+        else
+            due = t1 + iv
+        end
+        schedule(self, id, due)
+    end
+    return true
+end
+
+
+-- worker exit: every pending, queued or paused job is queued to run once
+-- with premature = true; recurring jobs that are running now stop after
+-- their current run. Returns how many were queued.
+function _M.exit(self, deadline_us)
+    if self.exiting then
+        return 0
+    end
+    self.exiting = true
+    self.exit_deadline = deadline_us
+    local now = self.clock()
+    self.now_us = now
+    local jobs = self.jobs
+    local n = 0
+    for id = 1, self.top do
+        local j = jobs[id]
+        local st = j.state
+        if st == PENDING or st == PAUSED or st == QUEUED then
+            if st == PENDING then
+                self.wheel:remove(id)
+            elseif st == PAUSED then
+                self.paused = self.paused - 1
+            end
+            j.flags = bor(j.flags, F_PREMATURE)
+            if st ~= QUEUED then
+                enqueue(self, id, now)
+            end
+            n = n + 1
+
+        elseif st == RUNNING then
+            j.flags = bor(j.flags, F_CANCEL)
+        end
+    end
+    return n
+end
+
+
+return _M
