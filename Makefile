@@ -20,6 +20,9 @@ NGINX        ?= /usr/sbin/nginx
 # on PATH.
 PYTHON       ?= /usr/bin/python3
 PYTEST_ARGS  ?=
+# the suite runs on this many processes (pytest-xdist); tests of one file
+# (or one class) stay together, so a module's fixtures are made once
+TEST_JOBS    ?= 2
 # Go and Rust: Debian's golang-go (1.19) and cargo (rustc 1.63) from
 # make deps are enough; a newer toolchain from go.dev's tarball or rustup
 # is used when PATH names it first, and these are its usual places for a
@@ -121,7 +124,8 @@ lint:
 	luacheck -q lib examples tests/lua bench
 
 test: deps build runtimes lint
-	$(PYTHON) -m pytest -q tests $(PYTEST_ARGS)
+	$(PYTHON) -m pytest -q -n $(TEST_JOBS) --dist loadscope tests \
+	    $(PYTEST_ARGS)
 
 # Starts the example gateway in the foreground on 127.0.0.1:8080
 # (LOOM_GATEWAY_LISTEN=127.0.0.1:8081 make run for another address). It
