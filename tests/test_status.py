@@ -573,7 +573,11 @@ def test_gateway_module_endpoints_are_the_collectors_shape(gateway):
                          ("/loom/publish", "publish")]:
         doc = gateway.get(path).json()
         assert sorted(doc) == sorted(full), path
-        assert doc["source"] == "events" and doc["nginx"] == full["nginx"]
+        assert doc["source"] == "events"
+        # the same nginx fields (the connection counts move between the
+        # two requests: a client's previous connection may still close)
+        assert sorted(doc["nginx"]) == sorted(full["nginx"]), path
+        assert doc["nginx"]["version"] == full["nginx"]["version"], path
         assert sorted(doc["totals"]) == sorted(
             m for m in full["totals"] if m == module), path
         for w, fw in zip(doc["workers"], full["workers"]):
