@@ -564,8 +564,12 @@ def test_event_drops_by_reason(nginx):
 def test_gateway_module_endpoints_are_the_collectors_shape(gateway):
     # /loom/events, /timers, /offload, /blocking, /publish: the /loom/status
     # document cut to one module, not five shapes of their own
-    full = gateway.get("/loom/status").json()
-    assert [w["id"] for w in full["workers"]] == [0, 1]
+    # once every worker answers (just after the start, one may still be
+    # connecting to the bus: its entry is an error)
+    full = wait_for(lambda: (lambda d: d if all(
+        "pid" in w for w in d["workers"]) else None)(
+        gateway.get("/loom/status").json()))
+    assert full and [w["id"] for w in full["workers"]] == [0, 1], full
     for path, module in [("/loom/events", "events"),
                          ("/loom/timers", "timers"),
                          ("/loom/offload", "offload"),
