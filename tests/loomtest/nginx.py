@@ -4,6 +4,7 @@ import atexit
 import http.client
 import json
 import os
+import random
 import re
 import shutil
 import stat
@@ -125,10 +126,33 @@ def close_listener(sock):
     sock.close()
 
 
+# free_port() hands out ports below the kernel's ephemeral range (32768 and
+# up here), which outgoing connections take their source ports from: a
+# port found free there could be taken by a connection before the server
+# it was meant for binds it. Each pytest-xdist worker has its own slice,
+# entered at a random place so that concurrent sessions rarely meet.
+PORT_FIRST, PORT_SLICE = 10000, 2500
+_worker = int(re.sub(r"\D", "", os.environ.get("PYTEST_XDIST_WORKER",
+                                               "")) or 8)
+_next_port = [PORT_FIRST + _worker % 9 * PORT_SLICE
+              + random.randrange(PORT_SLICE)]
+
+
 def free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port of 127.0.0.1 that nobody listens on or is connected
+    from, from this process's slice."""
+    base = PORT_FIRST + _worker % 9 * PORT_SLICE
+    for _ in range(PORT_SLICE):
+        port = _next_port[0]
+        _next_port[0] = base + (port + 1 - base) % PORT_SLICE
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in %d-%d" % (base,
+                                                 base + PORT_SLICE - 1))
 
 
 class Response:
