@@ -39,6 +39,8 @@ local clear_tab = require "table.clear"
 local table_remove = table.remove
 local count = stats.count
 local log_throttled = stats.log_throttled
+local resp_put = resp.put
+local resp_exchange = resp.exchange
 local mark_node_down = sender.mark_node_down
 local maintain = janitor.maintain
 
@@ -210,8 +212,6 @@ local function resync(self, why)
 end
 
 
--- creates the group; a group this node had and lost (Redis lost its data,
--- or the janitor removed it after group_idle) means a resync
 local function flush_acks(self, red, key, group, acks)
     if #acks == 0 then
         return true
@@ -226,6 +226,8 @@ local function flush_acks(self, red, key, group, acks)
 end
 
 
+-- creates the group; a group this node had and lost (Redis lost its data,
+-- or the janitor removed it after group_idle) means a resync
 local function create_group(self, red, key, group, from)
     local ok, err = red:xgroup("CREATE", key, group, from, "MKSTREAM")
     if not ok then
@@ -311,13 +313,13 @@ local function consume(self, red, key, group, from)
                 for i = 1, #acks do
                     ack_args[3 + i] = acks[i]
                 end
-                resp.put(r.out, ack_args, 3 + #acks)
+                resp_put(r.out, ack_args, 3 + #acks)
                 n = 2
             end
             -- while batches are in flight, come back soon to ack them
             read_new[8] = #inflight > 0 and ACK_LAG or block
-            resp.put(r.out, read_new, 11)
-            ok, err = resp.exchange(r, n, reply)
+            resp_put(r.out, read_new, 11)
+            ok, err = resp_exchange(r, n, reply)
             if ok and n == 2 then
                 count(self, "acked", #acks)
             end

@@ -19,6 +19,8 @@ local min = math.min
 local tostring = tostring
 local count = stats.count
 local log_throttled = stats.log_throttled
+local resp_put = resp.put
+local resp_exchange = resp.exchange
 
 local LOG_TAG = "[loom.cluster] "
 -- in the node's dict while a worker last failed to reach Redis: with
@@ -65,9 +67,9 @@ local function send_batch(self, r)
         args[2] = t == "o" and one or stream
         args[8] = t
         args[10] = self.q_p[i]
-        resp.put(out, args, 10)
+        resp_put(out, args, 10)
     end
-    local ok, err = resp.exchange(r, to - from + 1, self.replies)
+    local ok, err = resp_exchange(r, to - from + 1, self.replies)
     if not ok then
         return nil, err
     end
