@@ -18,6 +18,7 @@
 local buffer = require "string.buffer"
 local semaphore = require "ngx.semaphore"
 local events = require "resty.loom.events"
+local options = require "resty.loom.opts"
 local rconn = require "resty.loom.cluster.redis"
 local marks = require "resty.loom.cluster.marks"
 local reader = require "resty.loom.cluster.reader"
@@ -82,21 +83,42 @@ local DEFAULTS = {
     backoff_max = 5,
 }
 
--- option -> { kind, lo, hi }; "i" integers, "n" seconds
-local LIMITS = {
-    batch = { "i", 1, 10000 },
-    block = { "n", 0.01, 60 },
-    maxlen = { "i", 1000, 1e12 },
-    max_deliveries = { "i", 1, 1000 },
-    claim_idle = { "n", 0.1, 86400 },
-    ack_timeout = { "n", 0.01, 3600 },
-    dedupe_window = { "n", 1, 86400 },
-    max_buffer = { "i", 1, 1e8 },
-    group_idle = { "n", 1, 365 * 86400 },
-    lease_ttl = { "n", 0.1, 3600 },
-    backoff_min = { "n", 0.001, 60 },
-    backoff_max = { "n", 0.001, 3600 },
+-- a stream's or a node's name: in Redis keys and consumer groups
+local function is_name(v)
+    return type(v) == "string" and v ~= "" and #v <= 200
+           and not str_find(v, "%s")
+end
+
+local NAME = options.test(is_name, "a string of 1 to 200 bytes without spaces")
+
+local RULES = {
+    redis = options.table,          -- checked by rconn.check
+    node_id = NAME,
+    stream = NAME,
+    shm = options.test(function(v)
+        return type(v) == "string" and ngx.shared[v] ~= nil
+    end, "the name of a lua_shared_dict"),
+    bus = options.test(function(v)
+        return type(v) == "table" and type(v.publish) == "function"
+    end, "a resty.loom.events bus"),
+    marks_file = options.test(function(v)
+        return type(v) == "string" and str_byte(v, 1) == 47
+    end, "an absolute path"),
+    when_down = options.one_of("reject", "queue"),
+    batch = options.whole(1, 10000),
+    block = options.number(0.01, 60),
+    maxlen = options.whole(1000, 1e12),
+    max_deliveries = options.whole(1, 1000),
+    claim_idle = options.number(0.1, 86400),
+    ack_timeout = options.number(0.01, 3600),
+    dedupe_window = options.number(1, 86400),
+    max_buffer = options.whole(1, 1e8),
+    group_idle = options.number(1, 365 * 86400),
+    lease_ttl = options.number(0.1, 3600),
+    backoff_min = options.number(0.001, 60),
+    backoff_max = options.number(0.001, 3600),
 }
+local REQUIRED = { "redis", "node_id", "shm" }
 
 
 local _M = { _VERSION = "0.2.0" }
@@ -105,77 +127,36 @@ local mt = { __index = _M }
 local last_made
 
 
-local function check_number(opts, k, level)
-    local v = opts[k]
-    if v == nil then
-        return DEFAULTS[k]
-    end
-    local lim = LIMITS[k]
-    if type(v) ~= "number" or v ~= v or v < lim[2] or v > lim[3]
-       or (lim[1] == "i" and v ~= floor(v))
-    then
-        error("opts." .. k .. " must be " .. (lim[1] == "i"
-              and "an integer" or "a number of seconds") .. " between "
-              .. lim[2] .. " and " .. lim[3], level)
-    end
-    return v
-end
-
-
-local function check_name(v, what, level)
-    if type(v) ~= "string" or v == "" or #v > 200 or str_find(v, "%s") then
-        error(what .. " must be a non-empty string without spaces "
-              .. "(at most 200 bytes)", level)
-    end
-end
-
-
 function _M.new(opts)
-    if type(opts) ~= "table" then
-        error("opts must be a table", 2)
-    end
-    for k in pairs(opts) do
-        if DEFAULTS[k] == nil and k ~= "redis" and k ~= "node_id"
-           and k ~= "shm" and k ~= "bus" and k ~= "marks_file"
-        then
-            error("opts." .. tostring(k) .. " is not an option", 2)
+    options.check(opts, RULES, 2)
+    for i = 1, #REQUIRED do
+        if opts[REQUIRED[i]] == nil then
+            error("opts." .. REQUIRED[i] .. " is required", 2)
         end
     end
     local redis = rconn.check(opts.redis, 2)
-    check_name(opts.node_id, "opts.node_id", 3)
     if opts.node_id == "one" then
         error('opts.node_id must not be "one" (the shared group)', 2)
-    end
-    local stream = opts.stream or DEFAULTS.stream
-    check_name(stream, "opts.stream", 3)
-    if type(opts.shm) ~= "string" or not ngx.shared[opts.shm] then
-        error("opts.shm must name a lua_shared_dict", 2)
-    end
-    if opts.bus ~= nil and (type(opts.bus) ~= "table"
-                            or type(opts.bus.publish) ~= "function")
-    then
-        error("opts.bus must be a resty.loom.events bus", 2)
-    end
-    local when_down = opts.when_down or DEFAULTS.when_down
-    if when_down ~= "reject" and when_down ~= "queue" then
-        error('opts.when_down must be "reject" or "queue"', 2)
     end
     local self = {
         redis = redis,
         node_id = opts.node_id,
-        stream = stream,
-        stream_one = stream .. ":one",
-        stream_dead = stream .. ":dead",
-        nodes_key = stream .. ":nodes",
         shm = opts.shm,
         bus = opts.bus,
-        when_down = when_down,
     }
-    for k in pairs(LIMITS) do
-        self[k] = check_number(opts, k, 3)
+    for k, v in pairs(DEFAULTS) do
+        local o = opts[k]
+        if o == nil then
+            o = v
+        end
+        self[k] = o
     end
+    local stream = self.stream
+    self.stream_one = stream .. ":one"
+    self.stream_dead = stream .. ":dead"
+    self.nodes_key = stream .. ":nodes"
     if self.backoff_min > self.backoff_max then
-        error("opts.backoff_min must be <= opts.backoff_max", 2)
+        error("opts.backoff_min must be at most opts.backoff_max", 2)
     end
     if self.claim_idle >= self.group_idle then
         error("opts.claim_idle must be less than opts.group_idle", 2)
@@ -188,14 +169,12 @@ function _M.new(opts)
         local bus = opts.bus or events.get()
         local dir = bus and str_match(bus.opts.socket, "^(.*)/[^/]*$")
         if not dir then
-            error("opts.marks_file must be set when no resty.loom.events "
+            error("opts.marks_file is required when no resty.loom.events "
                   .. "bus was made yet", 2)
         end
         path = dir .. "/loom-cluster-"
                .. str_gsub(stream .. "-" .. opts.node_id, "[^%w._-]", "_")
                .. ".marks"
-    elseif type(path) ~= "string" or str_byte(path, 1) ~= 47 then
-        error("opts.marks_file must be an absolute path", 2)
     end
     local store, err = marks.open(path, ngx.worker.count(),
                                   max(MARKS_MIN, MAX_INFLIGHT * self.batch
