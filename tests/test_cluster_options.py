@@ -8,32 +8,49 @@ from clusterconf import (need_redis, redis_factory, start_node,  # noqa: F401
 
 BAD = [
     ("nil", "opts must be a table"),
-    ("{}", "opts.redis must be a table"),
+    ("{}", "opts.redis is required"),
     ("{redis = {host = 'h'}, node_id = 'a', shm = 'cluster', x = 1}",
      "opts.x is not an option"),
     ("{redis = {host = 'h', port = 0}, node_id = 'a', shm = 'cluster'}",
-     "opts.redis.port must be an integer between 1 and 65535"),
+     "opts.redis.port must be a whole number from 1 to 65535"),
     ("{redis = {host = 'h', sentinels = {{host = 'h'}}, master_name = 'm'},"
      " node_id = 'a', shm = 'cluster'}", "host/port or sentinels"),
     ("{redis = {sentinels = {{host = 'h'}}}, node_id = 'a', shm = 'cluster'}",
-     "opts.redis.master_name must be a non-empty string"),
+     "opts.redis.master_name is required with opts.redis.sentinels"),
     ("{redis = {host = 'h', bogus = 1}, node_id = 'a', shm = 'cluster'}",
      "opts.redis.bogus is not an option"),
+    ("{redis = {}, node_id = 'a', shm = 'cluster'}",
+     "opts.redis.host or opts.redis.sentinels is required"),
+    ("{redis = {host = 'h', connect_timeout = 0/0}, node_id = 'a',"
+     " shm = 'cluster'}",
+     "opts.redis.connect_timeout must be a number from 0.001 to 60"),
+    ("{redis = {sentinels = {{port = 1}}, master_name = 'm'}, node_id = 'a',"
+     " shm = 'cluster'}", "opts.redis.sentinels[1].host is required"),
+    ("{redis = {sentinels = {{host = 'h', x = 1}}, master_name = 'm'},"
+     " node_id = 'a', shm = 'cluster'}",
+     "opts.redis.sentinels[1].x is not an option"),
+    ("{redis = {sentinels = {{host = 'h'}, n = 1}, master_name = 'm'},"
+     " node_id = 'a', shm = 'cluster'}",
+     "opts.redis.sentinels must be a list of 1 to 64"),
+    ("{redis = {host = 'h'}, shm = 'cluster'}", "opts.node_id is required"),
     ("{redis = {host = 'h'}, node_id = 'a b', shm = 'cluster'}",
-     "opts.node_id must be a non-empty string without spaces"),
+     "opts.node_id must be a string of 1 to 200 bytes without spaces"),
     ("{redis = {host = 'h'}, node_id = 'a', shm = 'nope'}",
-     "opts.shm must name a lua_shared_dict"),
+     "opts.shm must be the name of a lua_shared_dict"),
     ("{redis = {host = 'h'}, node_id = 'a', shm = 'cluster', batch = 0/0}",
-     "opts.batch must be an integer between 1 and 10000"),
+     "opts.batch must be a whole number from 1 to 10000"),
     ("{redis = {host = 'h'}, node_id = 'a', shm = 'cluster',"
-     " block = math.huge}", "opts.block must be a number of seconds"),
+     " block = math.huge}", "opts.block must be a number from 0.01 to 60"),
     ("{redis = {host = 'h'}, node_id = 'a', shm = 'cluster', maxlen = 1.5}",
-     "opts.maxlen must be an integer"),
+     "opts.maxlen must be a whole number from 1000 to 1000000000000"),
     ("{redis = {host = 'h'}, node_id = 'a', shm = 'cluster',"
      " when_down = 'drop'}", 'opts.when_down must be "reject" or "queue"'),
     ("{redis = {host = 'h'}, node_id = 'a', shm = 'cluster',"
      " claim_idle = 100, group_idle = 50}",
      "opts.claim_idle must be less than opts.group_idle"),
+    ("{redis = {host = 'h'}, node_id = 'a', shm = 'cluster',"
+     " backoff_min = 2, backoff_max = 1}",
+     "opts.backoff_min must be at most opts.backoff_max"),
     ("{redis = {host = 'h'}, node_id = 'one', shm = 'cluster'}",
      'must not be "one"'),
     ("{redis = {host = 'h'}, node_id = 'a', shm = 'cluster', marks_file = 5}",
@@ -41,7 +58,7 @@ BAD = [
     ("{redis = {host = 'h'}, node_id = 'a', shm = 'cluster',"
      " marks_file = 'rel/x'}", "opts.marks_file must be an absolute path"),
     ("{redis = {host = 'h'}, node_id = 'a', shm = 'cluster'}",
-     "opts.marks_file must be set when no resty.loom.events bus"),
+     "opts.marks_file is required when no resty.loom.events bus"),
     ("{redis = {host = 'h'}, node_id = 'a', shm = 'cluster',"
      " marks_file = '/nonexistent/loom/x.marks'}",
      "opts.marks_file: failed to open /nonexistent/loom/x.marks: "
@@ -51,7 +68,7 @@ BAD = [
 
 def test_bad_options_are_refused_with_the_option_named(nginx):
     cases = "\n".join(
-        "do local ok, err = pcall(cluster.new, %s); "
+        "do local ok, err = pcall(function() cluster.new(%s) end); "
         "ngx.say(ok and 'accepted' or err) end" % lua for lua, _ in BAD)
     n = nginx(http="lua_shared_dict cluster 1m;", server="""
         location /t { content_by_lua_block {
@@ -65,8 +82,12 @@ def test_bad_options_are_refused_with_the_option_named(nginx):
                 { interval = 1, unique = "cluster", name = "x", ttl = -1 },
                 { interval = 1, unique = "cluster", name = "x", y = 1 },
                 { interval = 1, unique = "cluster", name = "x" },
+                { interval = 1, unique = "cluster", name = "x",
+                  max_run_time = 0 },
             }) do
-                local ok, err = pcall(timer.every, o, function() end)
+                local ok, err = pcall(function()
+                    timer.every(o, function() end)
+                end)
                 ngx.say(ok and "accepted" or err)
             end
         } }""" % cases)
@@ -74,15 +95,22 @@ def test_bad_options_are_refused_with_the_option_named(nginx):
     for (lua, want), got in zip(BAD, lines):
         assert want in got, (lua, got)
         # the error points at the caller, not at the module
-        assert "cluster.lua" not in got and "redis.lua" not in got, got
+        assert got.startswith("content_by_lua"), got
     timer_lines = lines[len(BAD):]
+    assert len(timer_lines) == 7, timer_lines
+    for got in timer_lines:
+        assert got.startswith("content_by_lua"), got
     assert 'opts.unique must be "cluster"' in timer_lines[0]
-    assert "opts.name must be a non-empty string" in timer_lines[1]
-    assert "opts.interval must be a number" in timer_lines[2]
-    assert "opts.ttl must be a number" in timer_lines[3]
-    assert "opts.y is not an option of a cluster timer" in timer_lines[4]
+    assert "opts.name is required" in timer_lines[1]
+    assert "opts.interval must be a number from 0.01 to 31622400" \
+        in timer_lines[2]
+    assert "opts.ttl must be a number from 0.1 to 3600" in timer_lines[3]
+    assert "opts.y is not an option" in timer_lines[4]
     # a well-formed cluster timer needs a cluster: none was made here
-    assert "opts.cluster must be a resty.loom.cluster" in timer_lines[5]
+    assert "opts.cluster is required when no resty.loom.cluster was " \
+        "made yet" in timer_lines[5]
+    assert "opts.max_run_time must be a number above 0 and at most " \
+        "1000000000" in timer_lines[6]
 
 
 def janitor_node(nginx, r):

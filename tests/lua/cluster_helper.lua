@@ -7,6 +7,11 @@
 local cjson = require "cjson.safe"
 local events = require "resty.loom.events"
 local cluster = require "resty.loom.cluster"
+-- lua-resty-redis: Debian's path, else OpenResty's (as the library finds it)
+local ok_redis, redis = pcall(require, "nginx.redis")
+if not ok_redis then
+    redis = require "resty.redis"
+end
 
 local _M = {}
 
@@ -104,7 +109,7 @@ function _M.handle()
     elseif what == "plant" then
         -- a "one" entry that node "d" read and never acknowledged, in one
         -- transaction so this node's reader cannot take it first
-        local red = require("nginx.redis"):new()
+        local red = redis:new()
         assert(red:connect("127.0.0.1", c.redis.port))
         red:init_pipeline()
         red:multi()

@@ -16,6 +16,7 @@ local ok_redis, redis = pcall(require, "nginx.redis")    -- Debian's path
 if not ok_redis then
     redis = require "resty.redis"
 end
+local options = require "resty.loom.opts"
 
 local ngx_null = ngx.null
 local ngx_now = ngx.now
@@ -36,7 +37,6 @@ local type = type
 local tostring = tostring
 local error = error
 local pairs = pairs
-local floor = math.floor
 local str_find = string.find
 
 local LOG_TAG = "[loom.cluster] "
@@ -52,10 +52,37 @@ local PAUSE_MAX = 10
 -- how often a follower looks up from its subscription (worker exit)
 local WATCH_READ = 1
 
-local REDIS_KEYS = {
-    host = true, port = true, sentinels = true, master_name = true,
-    password = true, db = true, connect_timeout = true,
+local HOST = options.text(255)
+local PORT = options.whole(1, 65535)
+
+-- a list of 1 to 64 tables, and nothing else
+local function is_sentinels(v)
+    if type(v) ~= "table" or #v < 1 or #v > 64 then
+        return false
+    end
+    local n = 0
+    for _, s in pairs(v) do
+        if type(s) ~= "table" then
+            return false
+        end
+        n = n + 1
+    end
+    return n == #v
+end
+
+local RULES = {
+    host = HOST,
+    port = PORT,
+    sentinels = options.test(is_sentinels,
+                             "a list of 1 to 64 { host = ..., port = ... }"),
+    master_name = options.text(255),
+    password = options.test(function(v)
+        return type(v) == "string" and v ~= ""
+    end, "a non-empty string"),
+    db = options.whole(0, 65535),
+    connect_timeout = options.number(0.001, 60),
 }
+local SENTINEL_RULES = { host = HOST, port = PORT }
 
 
 local _M = { _VERSION = "0.2.0" }
@@ -65,95 +92,46 @@ local _M = { _VERSION = "0.2.0" }
 local FAILOVER = "failover in progress"
 
 
--- level: of the user's call, as seen from the caller of these two
-local function check_port(p, what, level)
-    level = level + 1
-    if type(p) ~= "number" or p ~= floor(p) or p < 1 or p > 65535 then
-        error(what .. " must be an integer between 1 and 65535", level)
-    end
-end
-
-
-local function check_host(h, what, level)
-    level = level + 1
-    if type(h) ~= "string" or h == "" or #h > 255 then
-        error(what .. " must be a non-empty string", level)
-    end
-end
-
-
 -- validates opts.redis and returns a private copy (level: error level of
 -- the user's call)
 function _M.check(r, level)
     level = level + 1
-    if type(r) ~= "table" then
-        error("opts.redis must be a table", level)
-    end
-    for k in pairs(r) do
-        if not REDIS_KEYS[k] then
-            error("opts.redis." .. tostring(k) .. " is not an option", level)
-        end
-    end
+    options.check(r, RULES, level, "opts.redis")
     -- gen: bumped when the master changes or a failover starts;
     -- connections made under another gen are not used again
-    local conf = { port = 6379, db = 0, connect_timeout = 1, gen = 0 }
+    local conf = { port = 6379, db = r.db or 0,
+                   connect_timeout = r.connect_timeout or 1,
+                   password = r.password, gen = 0 }
     if r.sentinels ~= nil then
         if r.host ~= nil or r.port ~= nil then
             error("opts.redis takes host/port or sentinels, not both", level)
         end
-        if type(r.sentinels) ~= "table" or #r.sentinels == 0
-           or #r.sentinels > 64
-        then
-            error("opts.redis.sentinels must be a list of 1 to 64 "
-                  .. "{ host = ..., port = ... }", level)
-        end
         local list = {}
-        for i, s in pairs(r.sentinels) do
-            if type(i) ~= "number" or type(s) ~= "table" then
-                error("opts.redis.sentinels must be a list of "
-                      .. "{ host = ..., port = ... }", level)
+        for i = 1, #r.sentinels do
+            local s = r.sentinels[i]
+            local path = "opts.redis.sentinels[" .. i .. "]"
+            options.check(s, SENTINEL_RULES, level, path)
+            if s.host == nil then
+                error(path .. ".host is required", level)
             end
-            check_host(s.host, "opts.redis.sentinels[" .. i .. "].host",
-                       level)
-            local p = s.port or 26379
-            check_port(p, "opts.redis.sentinels[" .. i .. "].port", level)
-            list[i] = { host = s.host, port = p }
+            list[i] = { host = s.host, port = s.port or 26379 }
         end
-        check_host(r.master_name, "opts.redis.master_name", level)
+        if r.master_name == nil then
+            error("opts.redis.master_name is required with "
+                  .. "opts.redis.sentinels", level)
+        end
         conf.sentinels = list
         conf.master_name = r.master_name
     else
         if r.master_name ~= nil then
             error("opts.redis.master_name needs opts.redis.sentinels", level)
         end
-        check_host(r.host, "opts.redis.host", level)
+        if r.host == nil then
+            error("opts.redis.host or opts.redis.sentinels is required",
+                  level)
+        end
         conf.host = r.host
-        if r.port ~= nil then
-            check_port(r.port, "opts.redis.port", level)
-            conf.port = r.port
-        end
-    end
-    if r.password ~= nil then
-        if type(r.password) ~= "string" or r.password == "" then
-            error("opts.redis.password must be a non-empty string", level)
-        end
-        conf.password = r.password
-    end
-    if r.db ~= nil then
-        local db = r.db
-        if type(db) ~= "number" or db ~= floor(db) or db < 0 or db > 65535
-        then
-            error("opts.redis.db must be an integer >= 0", level)
-        end
-        conf.db = db
-    end
-    if r.connect_timeout ~= nil then
-        local t = r.connect_timeout
-        if type(t) ~= "number" or t ~= t or t < 0.001 or t > 60 then
-            error("opts.redis.connect_timeout must be a number of seconds "
-                  .. "between 0.001 and 60", level)
-        end
-        conf.connect_timeout = t
+        conf.port = r.port or 6379
     end
     return conf
 end

@@ -9,6 +9,7 @@
 
 
 local rconn = require "resty.loom.cluster.redis"
+local options = require "resty.loom.opts"
 
 local ngx_log = ngx.log
 local ngx_now = ngx.now
@@ -17,7 +18,6 @@ local floor = math.floor
 local min = math.min
 local random = math.random
 local type = type
-local pairs = pairs
 local tostring = tostring
 local error = error
 local str_format = string.format
@@ -25,9 +25,16 @@ local str_format = string.format
 local LOG_TAG = "[loom.cluster.timer] "
 local POOL_IDLE = 60000
 local POOL_SIZE = 8
-local OPTS = {
-    interval = true, name = true, unique = true, ttl = true, cluster = true,
-    max_run_time = true,
+local RULES = {
+    unique = options.one_of("cluster"),
+    interval = options.number(0.01, 86400 * 366),
+    name = options.text(200),
+    ttl = options.number(0.1, 3600),
+    cluster = options.test(function(c)
+        return type(c) == "table" and type(c.redis) == "table"
+    end, "a resty.loom.cluster"),
+    -- as resty.loom.timer's own, checked here before any lease timer starts
+    max_run_time = options.above(0, 1e9),
 }
 
 -- The scripts start with "#!lua" (no flags): Redis then refuses them on
@@ -180,36 +187,19 @@ end
 -- every(timer, opts, callback, ...) -> handle | nil, err (timer: the
 -- resty.loom.timer module, which schedules the local ticks)
 function _M.every(timer, opts, callback, ...)
-    for k in pairs(opts) do
-        if not OPTS[k] then
-            error("opts." .. tostring(k) .. " is not an option of a "
-                  .. "cluster timer", 3)
-        end
+    options.check(opts, RULES, 3)
+    local interval, name = opts.interval, opts.name
+    if interval == nil then
+        error("opts.interval is required", 3)
     end
-    if opts.unique ~= "cluster" then
-        error('opts.unique must be "cluster"', 3)
-    end
-    local interval = opts.interval
-    if type(interval) ~= "number" or interval ~= interval
-       or interval < 0.01 or interval > 86400 * 366
-    then
-        error("opts.interval must be a number of seconds between 0.01 and "
-              .. "a year", 3)
-    end
-    local name = opts.name
-    if type(name) ~= "string" or name == "" or #name > 200 then
-        error("opts.name must be a non-empty string (at most 200 bytes)",
-              3)
+    if name == nil then
+        error("opts.name is required", 3)
     end
     local ttl = opts.ttl or 3
-    if type(ttl) ~= "number" or ttl ~= ttl or ttl < 0.1 or ttl > 3600 then
-        error("opts.ttl must be a number of seconds between 0.1 and 3600",
-              3)
-    end
     local c = opts.cluster or require("resty.loom.cluster").get()
-    if type(c) ~= "table" or type(c.redis) ~= "table" then
-        error("opts.cluster must be a resty.loom.cluster (or one must "
-              .. "have been made)", 3)
+    if c == nil then
+        error("opts.cluster is required when no resty.loom.cluster was made "
+              .. "yet", 3)
     end
     if type(callback) ~= "function" then
         error("callback must be a function", 3)
