@@ -7,11 +7,9 @@
 local cjson = require "cjson.safe"
 local events = require "resty.loom.events"
 local cluster = require "resty.loom.cluster"
--- lua-resty-redis: Debian's path, else OpenResty's (as the library finds it)
-local ok_redis, redis = pcall(require, "nginx.redis")
-if not ok_redis then
-    redis = require "resty.redis"
-end
+-- lua-resty-redis, found where the library finds it (Debian's or
+-- OpenResty's path)
+local redis = require("resty.loom.cluster.redis").driver
 
 local _M = {}
 

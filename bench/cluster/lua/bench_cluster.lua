@@ -5,7 +5,7 @@
 local ffi = require "ffi"
 local events = require "resty.loom.events"
 local cluster = require "resty.loom.cluster"
-local redis = require "nginx.redis"
+local redis = require("resty.loom.cluster.redis").driver
 local cjson = require "cjson.safe"
 
 ffi.cdef [[

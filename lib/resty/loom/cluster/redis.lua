@@ -87,6 +87,10 @@ local SENTINEL_RULES = { host = HOST, port = PORT }
 
 local _M = { _VERSION = "0.2.0" }
 
+-- the lua-resty-redis module found (Debian's nginx.redis or OpenResty's
+-- resty.redis), for the tests' and benchmarks' own Redis calls
+_M.driver = redis
+
 -- what connect() returns during a failover: an expected state, logged at
 -- notice level (log_level)
 local FAILOVER = "failover in progress"
