@@ -22,7 +22,7 @@ location /jit { content_by_lua_block {
 } }
 """
 
-OURS = re.compile(r"(events|frame|fifo|broker|histogram)\.lua")
+OURS = re.compile(r"(events|frame|fifo|broker(_\w+)?|histogram)\.lua")
 BAD = re.compile(r"NYI: (bytecode|FastFunc|unsupported|C function)")
 
 

@@ -1,0 +1,113 @@
+-- Acknowledgements: a publisher's events are acknowledged to it once every
+-- live target has received them (the watermark); on_received takes what a
+-- worker confirmed off its queue.
+
+
+local frame = require "resty.loom.events.frame"
+local bqueue = require "resty.loom.events.broker_queue"
+
+local ngx_now = ngx.now
+
+local T_ACK = frame.ACK
+
+local wake_writer = bqueue.wake_writer
+
+
+local _M = { _VERSION = "0.2.0" }
+
+
+-- Events older than the returned index have been received by every live
+-- target (it acknowledged them), except a target that has been too slow:
+-- one whose events are being dropped, whose write has waited
+-- slow_timeout, or that has not acknowledged a write that old. It holds
+-- nobody's acknowledgements back (what is queued for it is then lost to
+-- it if the broker crashes as well).
+local function too_slow(q, now, slow)
+    local _, _, _, _, sent_at = q.sent:first()
+    return q.overflowing or (q.send_since and now - q.send_since >= slow)
+           or (sent_at and now - sent_at >= slow)
+end
+
+
+local function watermark(b, slow)
+    local low = b.next_bidx
+    local now = ngx_now()
+    for _, q in pairs(b.queues) do
+        if q.conn and not too_slow(q, now, slow) then
+            local _, _, _, sent_bidx = q.sent:first()
+            -- the oldest of: unacknowledged, being written, queued (an
+            -- enqueue that waited may put an earlier event behind a send)
+            local i = sent_bidx
+            local f = q.inflight_bidx
+            if f and (not i or f < i) then
+                i = f
+            end
+            f = q.first_bidx
+            if f and (not i or f < i) then
+                i = f
+            end
+            if i and i < low then
+                low = i
+            end
+        end
+    end
+    return low
+end
+
+
+local function send_acks(b)
+    local low = watermark(b, b.slow_timeout)
+    for _, q in pairs(b.queues) do
+        local c = q.conn
+        if c and c.ackq and c.ackq:len() > 0 then
+            local last
+            while true do
+                local bidx, seq = c.ackq:peek()
+                if not bidx or bidx >= low then
+                    break
+                end
+                c.ackq:pop()
+                last = seq
+            end
+            if last then
+                frame.put_empty(c.ctl, T_ACK, last)
+                wake_writer(q)
+            end
+        end
+    end
+end
+
+
+-- The worker has received the first n events written on connection c:
+-- they leave the queue.
+local function on_received(b, q, c, n)
+    if q.writer ~= c then
+        -- (a connection whose writer waits for the previous one's turn to
+        -- end has had nothing written yet)
+        return
+    end
+    local sent = q.sent
+    local freed = 0
+    while true do
+        local upto, bytes, events = sent:first()
+        if not upto or upto > n then
+            break
+        end
+        sent:pop()
+        q.buf:skip(bytes)
+        q.sent_bytes = q.sent_bytes - bytes
+        q.sent_events = q.sent_events - events
+        freed = freed + events
+    end
+    if freed > 0 then
+        send_acks(b)
+    end
+end
+
+
+_M.too_slow = too_slow
+_M.send_acks = send_acks
+_M.on_received = on_received
+
+
+return _M
