@@ -131,11 +131,16 @@ def test_broker_kill9_own_unique_events_in_order(nginx):
     n.allow_log(r"exited on signal 9")
     n.allow_log(r"\((104: Connection reset by peer|32: Broken pipe)\)")
     ec.wait_ready(n)
-    time.sleep(0.6)
-    st = ec.states(n)
+    # killed once the publisher is under way (a fixed wait overshot half of
+    # the events on a loaded machine)
+    deadline = time.time() + 10
+    while True:
+        st = ec.states(n)
+        if len(st[1]["trace"]) >= 40 or time.time() > deadline:
+            break
+        time.sleep(0.02)
     broker = st[0]["pid"]
     n.kill(broker, signal.SIGKILL)
-    # (killed while the publisher is under way)
     assert 0 < len(st[1]["trace"]) < count / 2
     n.wait_workers(4, exclude=[broker])
     n.wait_log(r"own publisher done", timeout=30)
