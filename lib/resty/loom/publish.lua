@@ -28,11 +28,8 @@ local buf_new = require("string.buffer").new
 local b64_into = base64.encode_into
 local put_string = json.put_string
 local fifo_new = buffer.fifo_new
-local fifo_pop = buffer.fifo_pop
-local get_queue = buffer.get_queue
-local seal = buffer.seal
-local new_batch = buffer.new_batch
-local drop_one = buffer.drop_one
+local batch_for = buffer.batch_for
+local added = buffer.added
 local start = sender.start
 local sub = string.sub
 local tostring = tostring
@@ -193,42 +190,10 @@ function _M.send(self, data, attributes, ordering_key)
         return nil, "message too large"
     end
 
-    local q = self.queues[key]
-    if q and q.paused then
-        return nil, "ordering key paused"
-    end
-
-    -- buffer bounds: everything not yet acknowledged counts
-    local msgs = self.queued_messages + self.inflight_messages + 1
-    local bytes = self.queued_bytes + self.inflight_bytes + len
-    if msgs > self.buffer_max_messages or bytes > self.buffer_max_bytes then
-        if self.overflow ~= "drop_oldest" then
-            self.rejected = self.rejected + 1
-            return nil, "buffer full"
-        end
-        q = q or get_queue(self, key)
-        repeat
-            if not drop_one(self, q) then
-                self.rejected = self.rejected + 1
-                return nil, "buffer full"
-            end
-            msgs = self.queued_messages + self.inflight_messages + 1
-            bytes = self.queued_bytes + self.inflight_bytes + len
-        until msgs <= self.buffer_max_messages
-              and bytes <= self.buffer_max_bytes
-    end
-
-    q = q or get_queue(self, key)
     local now = ngx_now()
-    local b = q.open
-    if b and (b.n >= self.batch_max_messages
-              or b.bytes + len > self.batch_max_bytes)
-    then
-        seal(self, b)
-        b = nil
-    end
+    local b, err = batch_for(self, key, len, now)
     if not b then
-        b = new_batch(self, q, now)
+        return nil, err
     end
     local out = b.buf
     out:put(s)
@@ -236,17 +201,7 @@ function _M.send(self, data, attributes, ordering_key)
         out:commit(b64_into(out:reserve(b64len), data, dlen))
     end
     out:put(tail)
-    local total = b.total + 1
-    b.total = total
-    b.lens[total] = len
-    b.times[total] = now
-    b.n = b.n + 1
-    b.bytes = b.bytes + len
-    self.queued_messages = self.queued_messages + 1
-    self.queued_bytes = self.queued_bytes + len
-    if b.n >= self.batch_max_messages or b.bytes >= self.batch_max_bytes then
-        seal(self, b)
-    end
+    added(self, b, len, now)
     if not self.running then
         local ok, err = start(self)
         if not ok then
@@ -259,26 +214,14 @@ end
 
 -- seals every open batch so senders take them now
 function _M.flush(self)
-    local opening = self.opening
-    while opening.first <= opening.last do
-        local b = fifo_pop(opening)
-        if not b.sealed and not b.dead then
-            seal(self, b)
-        end
-    end
+    buffer.flush(self)
     return true
 end
 
 
 -- lets an ordering key that failed take messages again
 function _M.resume(self, ordering_key)
-    local q = self.queues[ordering_key or ""]
-    if q and q.paused then
-        q.paused = nil
-        if q.inflight == 0 and q.batches.first > q.batches.last then
-            self.queues[q.key] = nil
-        end
-    end
+    buffer.resume(self, ordering_key or "")
     return true
 end
 

@@ -1,16 +1,15 @@
--- The buffer of accepted messages of one publisher: a queue of batches per
--- ordering key (each batch the JSON of its messages in a string.buffer),
--- which batch is open, sealed or next for a sender, what overflow drops,
--- and how queued batches are given up.
+-- The buffer of a publisher's accepted messages, queued and in flight: a
+-- queue of batches per ordering key (each the JSON of its messages in a
+-- string.buffer), its bounds and overflow, and the hand-over of batches to
+-- the senders (next_batch, take, landed, settle).
 
 
 local report = require "resty.loom.publish.report"
 
-local ngx_now = ngx.now
-local worker_exiting = ngx.worker.exiting
 local buf_new = require("string.buffer").new
 local report_failure = report.failure
 local min = math.min
+local floor = math.floor
 local tab_new = require "table.new"
 
 -- A new batch starts small and grows with what it takes: every ordering
@@ -19,6 +18,10 @@ local tab_new = require "table.new"
 local BATCH_START_BYTES = 1024
 local BATCH_START_MESSAGES = 32
 local IDLE_WAIT = 2
+local RECYCLE_BYTES = 2 * 1024 * 1024   -- keep batch buffers up to this
+local BODY_PIECE = 64 * 1024
+local GC_STEP_BYTES = 4 * 1024 * 1024     -- collector steps while draining
+local BACKLOG_BYTES = 16 * 1024 * 1024    -- a buffer this big is a backlog
 
 
 local _M = { _VERSION = "0.2.0" }
@@ -146,18 +149,85 @@ local function drop_one(self, q)
 end
 
 
--- the next batch a sender may take, or nil and how long to wait
-local function next_batch(self)
-    local now = ngx_now()
+-- The batch that takes the next message of ordering key `key`, len
+-- encoded bytes, when the buffer's bounds allow it (with overflow
+-- "drop_oldest", after dropping the key's oldest messages); or nil and
+-- "ordering key paused" or "buffer full". The caller writes the message
+-- into the batch's buf, then calls added().
+function _M.batch_for(self, key, len, now)
+    local q = self.queues[key]
+    if q and q.paused then
+        return nil, "ordering key paused"
+    end
+
+    -- buffer bounds: everything not yet acknowledged counts
+    local msgs = self.queued_messages + self.inflight_messages + 1
+    local bytes = self.queued_bytes + self.inflight_bytes + len
+    if msgs > self.buffer_max_messages or bytes > self.buffer_max_bytes then
+        if self.overflow ~= "drop_oldest" then
+            self.rejected = self.rejected + 1
+            return nil, "buffer full"
+        end
+        q = q or get_queue(self, key)
+        repeat
+            if not drop_one(self, q) then
+                self.rejected = self.rejected + 1
+                return nil, "buffer full"
+            end
+            msgs = self.queued_messages + self.inflight_messages + 1
+            bytes = self.queued_bytes + self.inflight_bytes + len
+        until msgs <= self.buffer_max_messages
+              and bytes <= self.buffer_max_bytes
+    end
+
+    q = q or get_queue(self, key)
+    local b = q.open
+    if b and (b.n >= self.batch_max_messages
+              or b.bytes + len > self.batch_max_bytes)
+    then
+        seal(self, b)
+        b = nil
+    end
+    if not b then
+        b = new_batch(self, q, now)
+    end
+    return b
+end
+
+
+-- counts the message of len bytes just written into batch b
+function _M.added(self, b, len, now)
+    local total = b.total + 1
+    b.total = total
+    b.lens[total] = len
+    b.times[total] = now
+    b.n = b.n + 1
+    b.bytes = b.bytes + len
+    self.queued_messages = self.queued_messages + 1
+    self.queued_bytes = self.queued_bytes + len
+    if b.n >= self.batch_max_messages or b.bytes >= self.batch_max_bytes then
+        seal(self, b)
+    end
+end
+
+
+-- seals every open batch so senders take them now
+function _M.flush(self)
+    local opening = self.opening
+    while opening.first <= opening.last do
+        local b = fifo_pop(opening)
+        if not b.sealed and not b.dead then
+            seal(self, b)
+        end
+    end
+end
+
+
+-- The next batch a sender may take (for an ordering key, while none of
+-- its batches is in flight), after sealing the open batches whose delay
+-- is up (all of them when exiting); or nil and how long to wait.
+function _M.next_batch(self, now, exiting)
     local delay = self.batch_max_delay
-    if not self.exiting and worker_exiting() then
-        self.exiting = true
-        self.exit_deadline = now + self.flush_timeout
-    end
-    local exiting = self.exiting
-    if exiting and now >= self.exit_deadline then
-        return nil, 0
-    end
     local opening = self.opening
     local wait = IDLE_WAIT
     while opening.first <= opening.last do
@@ -223,13 +293,123 @@ local function fail_queued(self, q, reason)
 end
 
 
+-- Takes batch b (from next_batch()) out of its queue to be sent: its
+-- messages count as in flight until landed(). Returns the request body,
+-- in pieces; the batch's string.buffer goes back to the free list.
+function _M.take(self, b)
+    local q = b.q
+    fifo_pop(q.batches)
+    local n, bytes = b.n, b.bytes
+    if self.queued_bytes + self.inflight_bytes >= BACKLOG_BYTES then
+        self.backlog = true
+    end
+    self.queued_messages = self.queued_messages - n
+    self.queued_bytes = self.queued_bytes - bytes
+    self.inflight_messages = self.inflight_messages + n
+    self.inflight_bytes = self.inflight_bytes + bytes
+    self.inflight = self.inflight + 1
+    q.inflight = q.inflight + 1
+    self.batches = self.batches + 1
+    self.batched_messages = self.batched_messages + n
+
+    local buf = b.buf
+    buf:skip(1)     -- the first message's leading comma
+    -- the body as pieces below LuaJIT's mmap threshold: one string of a
+    -- megabyte would be mapped, faulted in and unmapped for every batch
+    local body = { '{"messages":[' }
+    while #buf > 0 do
+        body[#body + 1] = buf:get(BODY_PIECE)
+    end
+    body[#body + 1] = ']}'
+    b.buf = nil
+    b.body = body       -- reported by exit_worker() if the worker stops
+    self.sending[b] = true
+    buf:reset()
+    local free = self.free_bufs
+    if bytes <= RECYCLE_BYTES and #free < self.concurrency + 2 then
+        free[#free + 1] = buf
+    else
+        buf:free()
+    end
+    return body
+end
+
+
+-- batch b is back from its sender, delivered or not: no longer in flight
+function _M.landed(self, b)
+    local q = b.q
+    local n, bytes = b.n, b.bytes
+    self.inflight_messages = self.inflight_messages - n
+    self.inflight_bytes = self.inflight_bytes - bytes
+    self.inflight = self.inflight - 1
+    q.inflight = q.inflight - 1
+    self.sending[b] = nil
+    b.body = nil
+end
+
+
+-- Ordered delivery: after a batch of ordering key queue q failed for good,
+-- later messages of the key would overtake the failed ones. Its queued
+-- messages are reported failed, and send() refuses the key until resume().
+function _M.pause(self, q, reason)
+    q.paused = reason
+    fail_queued(self, q, "ordering key paused")
+end
+
+
+-- lets the ordering key that failed take messages again
+function _M.resume(self, key)
+    local q = self.queues[key]
+    if q and q.paused then
+        q.paused = nil
+        if q.inflight == 0 and q.batches.first > q.batches.last then
+            self.queues[q.key] = nil
+        end
+    end
+end
+
+
+-- After a batch of queue q, bytes long, has landed and its outcome is
+-- told: forgets an ordering key's queue with nothing left, lets the
+-- collector catch up after a backlog, and wakes a sender.
+function _M.settle(self, q, bytes)
+    if q.key ~= "" and not q.paused and q.inflight == 0
+       and q.batches.first > q.batches.last
+    then
+        self.queues[q.key] = nil
+    end
+    -- The body pieces are garbage now (the sender dropped them). After a
+    -- backlog the collector's threshold sits at about twice the peak
+    -- buffer, and a worker that goes idle never reaches it: while draining
+    -- one, pay for what was made, so that memory follows the buffer down.
+    -- (Without a backlog the collector's own pace is fine, and costs
+    -- nothing extra.)
+    if self.backlog then
+        local garbage = self.garbage + bytes
+        local empty = self.queued_bytes + self.inflight_bytes == 0
+        if garbage >= GC_STEP_BYTES or empty then
+            collectgarbage("step", floor(garbage / 1024) + 1)
+            garbage = 0
+            if empty then
+                self.backlog = false
+                -- the recycled buffers grew with the backlog
+                local free = self.free_bufs
+                for i = #free, 1, -1 do
+                    free[i]:free()
+                    free[i] = nil
+                end
+            end
+        end
+        self.garbage = garbage
+    end
+    local sema = self.sema
+    if sema:count() < self.concurrency then
+        sema:post(1)
+    end
+end
+
+
 _M.fifo_new = fifo_new
-_M.fifo_pop = fifo_pop
-_M.get_queue = get_queue
-_M.seal = seal
-_M.new_batch = new_batch
-_M.drop_one = drop_one
-_M.next_batch = next_batch
 _M.fail_queued = fail_queued
 
 

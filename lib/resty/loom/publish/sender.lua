@@ -20,10 +20,13 @@ local ngx_NOTICE = ngx.NOTICE
 local timer_at = ngx.timer.at
 local thread_spawn = ngx.thread.spawn
 local thread_wait = ngx.thread.wait
+local worker_exiting = ngx.worker.exiting
 local json_decode = cjson.decode
-local fifo_pop = buffer.fifo_pop
-local next_batch = buffer.next_batch
-local fail_queued = buffer.fail_queued
+local next_ready = buffer.next_batch
+local take = buffer.take
+local landed = buffer.landed
+local pause = buffer.pause
+local settle = buffer.settle
 local call = report.call
 local report_failure = report.failure
 local note_trouble = report.note_trouble
@@ -31,7 +34,6 @@ local note_recovery = report.note_recovery
 local abandon = shutdown.abandon
 local sub = string.sub
 local tostring = tostring
-local floor = math.floor
 local random = math.random
 local min = math.min
 local type = type
@@ -39,11 +41,7 @@ local xpcall = xpcall
 local pcall = pcall
 
 local LOG_TAG = "[loom.publish] "
-local RECYCLE_BYTES = 2 * 1024 * 1024   -- keep batch buffers up to this
-local BODY_PIECE = 64 * 1024
 local EXIT_WATCH = 3600
-local GC_STEP_BYTES = 4 * 1024 * 1024     -- collector steps while draining
-local BACKLOG_BYTES = 16 * 1024 * 1024    -- a buffer this big is a backlog
 -- Every new connection takes about 1.5 KB (the cosocket's state, the
 -- light thread that resolves a name) from the pool of the timer the
 -- senders run in, given back only when that timer ends: the senders move
@@ -113,41 +111,26 @@ local function classify_response(res)
 end
 
 
+-- the next batch a sender may take, or nil and how long to wait
+local function next_batch(self)
+    local now = ngx_now()
+    if not self.exiting and worker_exiting() then
+        self.exiting = true
+        self.exit_deadline = now + self.flush_timeout
+    end
+    local exiting = self.exiting
+    if exiting and now >= self.exit_deadline then
+        return nil, 0
+    end
+    return next_ready(self, now, exiting)
+end
+
+
+-- publishes batch b, retrying until its deadline, and tells the outcome
 local function dispatch(self, b)
     local q = b.q
-    fifo_pop(q.batches)
     local n, bytes = b.n, b.bytes
-    if self.queued_bytes + self.inflight_bytes >= BACKLOG_BYTES then
-        self.backlog = true
-    end
-    self.queued_messages = self.queued_messages - n
-    self.queued_bytes = self.queued_bytes - bytes
-    self.inflight_messages = self.inflight_messages + n
-    self.inflight_bytes = self.inflight_bytes + bytes
-    self.inflight = self.inflight + 1
-    q.inflight = q.inflight + 1
-    self.batches = self.batches + 1
-    self.batched_messages = self.batched_messages + n
-
-    local buf = b.buf
-    buf:skip(1)     -- the first message's leading comma
-    -- the body as pieces below LuaJIT's mmap threshold: one string of a
-    -- megabyte would be mapped, faulted in and unmapped for every batch
-    local body = { '{"messages":[' }
-    while #buf > 0 do
-        body[#body + 1] = buf:get(BODY_PIECE)
-    end
-    body[#body + 1] = ']}'
-    b.buf = nil
-    b.body = body       -- reported by exit_worker() if the worker stops
-    self.sending[b] = true
-    buf:reset()
-    local free = self.free_bufs
-    if bytes <= RECYCLE_BYTES and #free < self.concurrency + 2 then
-        free[#free + 1] = buf
-    else
-        buf:free()
-    end
+    local body = take(self, b)
 
     local first = ngx_now()
     local deadline = first + self.retry_deadline
@@ -232,12 +215,7 @@ local function dispatch(self, b)
 
     ngx_update_time()
     local now = ngx_now()
-    self.inflight_messages = self.inflight_messages - n
-    self.inflight_bytes = self.inflight_bytes - bytes
-    self.inflight = self.inflight - 1
-    q.inflight = q.inflight - 1
-    self.sending[b] = nil
-    b.body = nil
+    landed(self, b)
 
     if outcome == "ok" then
         if self.trouble then
@@ -263,45 +241,12 @@ local function dispatch(self, b)
         note_trouble(self, reason, n)
         report_failure(self, q, body, n, reason, attempts, status)
         if q.key ~= "" and not self.exiting then
-            -- ordered delivery: later messages of this key would overtake
-            -- the failed ones, so the key stops until p:resume(key)
-            q.paused = reason
-            fail_queued(self, q, "ordering key paused")
+            pause(self, q, reason)
         end
     end
-    if q.key ~= "" and not q.paused and q.inflight == 0
-       and q.batches.first > q.batches.last
-    then
-        self.queues[q.key] = nil
-    end
-    -- The body pieces are garbage now. After a backlog the collector's
-    -- threshold sits at about twice the peak buffer, and a worker that
-    -- goes idle never reaches it: while draining one, pay for what was
-    -- made, so that memory follows the buffer down. (Without a backlog the
-    -- collector's own pace is fine, and costs nothing extra.)
-    if self.backlog then
-        body = nil      -- luacheck: ignore
-        local garbage = self.garbage + bytes
-        local empty = self.queued_bytes + self.inflight_bytes == 0
-        if garbage >= GC_STEP_BYTES or empty then
-            collectgarbage("step", floor(garbage / 1024) + 1)
-            garbage = 0
-            if empty then
-                self.backlog = false
-                -- the recycled buffers grew with the backlog
-                local free = self.free_bufs
-                for i = #free, 1, -1 do
-                    free[i]:free()
-                    free[i] = nil
-                end
-            end
-        end
-        self.garbage = garbage
-    end
-    local sema = self.sema
-    if sema:count() < self.concurrency then
-        sema:post(1)
-    end
+    -- the body is garbage now: settle() may have the collector take it
+    body = nil      -- luacheck: ignore
+    settle(self, q, bytes)
 end
 
 
