@@ -20,6 +20,7 @@ local buffer = require "resty.loom.publish.buffer"
 local sender = require "resty.loom.publish.sender"
 local shutdown = require "resty.loom.publish.shutdown"
 local stats = require "resty.loom.publish.stats"
+local options = require "resty.loom.opts"
 
 local ngx_now = ngx.now
 local ngx_log = ngx.log
@@ -31,9 +32,9 @@ local fifo_new = buffer.fifo_new
 local batch_for = buffer.batch_for
 local added = buffer.added
 local start = sender.start
+local parse_url = http.parse_url
 local sub = string.sub
-local tostring = tostring
-local ipairs = ipairs
+local match = string.match
 local floor = math.floor
 local min = math.min
 local type = type
@@ -50,6 +51,8 @@ local MAX_KEY_BYTES = 256
 local MAX_VALUE_BYTES = 1024
 local MAX_ORDERING_KEY_BYTES = 1024
 local ENVELOPE = #'{"messages":[]}'
+local MAX_SECONDS = 86400
+local DEFAULT_ENDPOINT = "https://pubsub.googleapis.com"
 
 -- every publisher of this worker by name, for the stats collector
 local publishers = {}
@@ -240,136 +243,133 @@ function _M.stats_all(timeout)
 end
 
 
+local function is_text(v)
+    return type(v) == "string" and v ~= ""
+end
+
+
+-- a project id, also a domain-scoped one (example.com:my-project)
+local function is_project(v)
+    return type(v) == "string" and match(v, "^[%w][%w.:-]*$") ~= nil
+end
+
+
+local function is_topic(v)
+    return type(v) == "string" and #v >= 3 and #v <= 255
+           and match(v, "^%a[%w%-_.~+%%]*$") ~= nil and sub(v, 1, 4) ~= "goog"
+end
+
+
+-- the emulator's address: http://<it> is a URL
+local function is_host_port(v)
+    return type(v) == "string" and parse_url("http://" .. v) ~= nil
+end
+
+
+-- a rule (see resty.loom.opts) saying what is wrong with a URL
+local function url_rule(v)
+    local what = "an http or https URL"
+    if type(v) ~= "string" then
+        return what
+    end
+    local scheme, err = parse_url(v)
+    if not scheme then
+        return what .. " (" .. err .. ")"
+    end
+end
+
+
+local TEXT = options.test(is_text, "a non-empty string")
+
 -- every option new() takes
-local OPTIONS = {
-    project = true, topic = true, credentials = true, endpoint = true,
-    emulator_host = true, ssl_verify = true, server_name = true,
-    batch_max_messages = true, batch_max_bytes = true,
-    batch_max_delay = true, buffer_max_messages = true,
-    buffer_max_bytes = true, overflow = true, concurrency = true,
-    timeout = true, retry_deadline = true, retry_initial_backoff = true,
-    retry_max_backoff = true, flush_timeout = true, warn_interval = true,
-    on_success = true, on_error = true, user_project = true, name = true,
+local RULES = {
+    project = options.test(is_project, "a project id"),
+    topic = options.test(is_topic, "a topic id (3-255 characters, "
+                                   .. "starting with a letter)"),
+    credentials = options.table,        -- and publish/auth.lua's rules
+    endpoint = url_rule,
+    emulator_host = options.test(function(v)
+        return v == false or is_host_port(v)
+    end, "host:port or false"),
+    ssl_verify = options.boolean,
+    server_name = TEXT,
+    batch_max_messages = options.whole(1, MAX_MESSAGES),
+    batch_max_bytes = options.whole(1, MAX_REQUEST_BYTES - ENVELOPE),
+    batch_max_delay = options.above(0, 3600),
+    buffer_max_messages = options.whole(1, 1e9),
+    buffer_max_bytes = options.whole(1, 1e12),
+    overflow = options.one_of("reject", "drop_oldest"),
+    concurrency = options.whole(1, 64),
+    timeout = options.above(0, 3600),
+    retry_deadline = options.above(0, MAX_SECONDS),
+    retry_initial_backoff = options.above(0, 3600),
+    retry_max_backoff = options.above(0, 3600),
+    flush_timeout = options.above(0, 3600),
+    warn_interval = options.above(0, MAX_SECONDS),
+    on_success = options.func,
+    on_error = options.func,
+    user_project = TEXT,
+    name = TEXT,
 }
-local MAX_SECONDS = 86400
-
-
--- a number option: finite, above 0, at most hi, whole when integer
-local function num(opts, name, default, hi, integer)
-    local v = opts[name]
-    if v == nil then
-        return default
-    end
-    if type(v) ~= "number" or not (v > 0 and v <= hi)
-       or (integer and v % 1 ~= 0)
-    then
-        error("opts." .. name .. " must be "
-              .. (integer and "a whole number from 1" or "a number above 0")
-              .. " to " .. hi, 3)
-    end
-    return v
-end
-
-
-local function str(opts, name)
-    local v = opts[name]
-    if v ~= nil and (type(v) ~= "string" or v == "") then
-        error("opts." .. name .. " must be a non-empty string", 3)
-    end
-    return v
-end
 
 
 -- p = publish.new(opts): see docs/publish.md for every option. Every
 -- option is checked before anything is created.
 function _M.new(opts)
-    if type(opts) ~= "table" then
-        error("opts must be a table", 2)
-    end
-    for k in pairs(opts) do
-        if not OPTIONS[k] then
-            error("opts." .. tostring(k) .. ": unknown option", 2)
-        end
-    end
+    options.check(opts, RULES, 2)
     local project, topic = opts.project, opts.topic
-    if type(project) ~= "string" or not project:match("^[%w][%w.:-]*$") then
-        error("opts.project must be a project id", 2)
+    if project == nil then
+        error("opts.project is required", 2)
     end
-    if type(topic) ~= "string" or #topic < 3 or #topic > 255
-       or not topic:match("^%a[%w%-_.~+%%]*$") or sub(topic, 1, 4) == "goog"
-    then
-        error("opts.topic must be a topic id (3-255 characters, starting "
-              .. "with a letter)", 2)
+    if topic == nil then
+        error("opts.topic is required", 2)
     end
-    local overflow = opts.overflow or "reject"
-    if overflow ~= "reject" and overflow ~= "drop_oldest" then
-        error("opts.overflow must be \"reject\" or \"drop_oldest\"", 2)
+    local retry_initial = opts.retry_initial_backoff or 0.1
+    local retry_max_backoff = opts.retry_max_backoff or 10
+    if retry_initial > retry_max_backoff then
+        error("opts.retry_initial_backoff must be at most "
+              .. "opts.retry_max_backoff (" .. retry_max_backoff .. ")", 2)
     end
-    for _, cb in ipairs({ "on_success", "on_error" }) do
-        if opts[cb] ~= nil and type(opts[cb]) ~= "function" then
-            error("opts." .. cb .. " must be a function", 2)
-        end
+    local cred_opts = opts.credentials
+    if cred_opts ~= nil then
+        -- unused with the emulator, but a mistake in them must not wait
+        -- for production
+        auth.check(cred_opts, "opts.credentials", 2)
     end
-    if opts.ssl_verify ~= nil and type(opts.ssl_verify) ~= "boolean" then
-        error("opts.ssl_verify must be a boolean", 2)
-    end
-    local name = str(opts, "name")
-    local user_project = str(opts, "user_project")
-    local server_name = str(opts, "server_name")
-
     local emulator = opts.emulator_host
     if emulator == nil then
         emulator = os.getenv("PUBSUB_EMULATOR_HOST")
         if emulator == "" then
             emulator = nil
+        elseif emulator and not is_host_port(emulator) then
+            error("PUBSUB_EMULATOR_HOST must be host:port", 2)
         end
     end
-    local endpoint = opts.endpoint or "https://pubsub.googleapis.com"
-    local cred_opts = opts.credentials
+    local endpoint = opts.endpoint or DEFAULT_ENDPOINT
     if emulator then
-        if type(emulator) ~= "string" then
-            error("opts.emulator_host must be host:port or false", 2)
-        end
-        -- unused here, but a mistake in them must not wait for production
-        if cred_opts ~= nil then
-            auth.check(cred_opts, "opts.credentials")
-        end
         endpoint = "http://" .. emulator
         cred_opts = { type = "none" }
     elseif cred_opts == nil then
         error("opts.credentials is required (or opts.emulator_host)", 2)
     end
-    local scheme, host, port = http.parse_url(endpoint)
-    if not scheme then
-        error("opts.endpoint: " .. host, 2)
-    end
 
-    local timeout = num(opts, "timeout", 10, 3600)
-    local concurrency = num(opts, "concurrency", 4, 64, true)
-    local retry_initial = num(opts, "retry_initial_backoff", 0.1, 3600)
-    local retry_max_backoff = num(opts, "retry_max_backoff", 10, 3600)
-    if retry_initial > retry_max_backoff then
-        error("opts.retry_initial_backoff must be at most "
-              .. "opts.retry_max_backoff (" .. retry_max_backoff .. ")", 2)
-    end
-    local batch_max_messages = num(opts, "batch_max_messages", MAX_MESSAGES,
-                                   MAX_MESSAGES, true)
-    local batch_max_bytes = num(opts, "batch_max_bytes", 1000000,
-                                MAX_REQUEST_BYTES - ENVELOPE, true)
-    local batch_max_delay = num(opts, "batch_max_delay", 0.05, 3600)
-    local buffer_max_messages = num(opts, "buffer_max_messages", 100000, 1e9,
-                                    true)
-    local buffer_max_bytes = num(opts, "buffer_max_bytes", 64 * 1024 * 1024,
-                                 1e12, true)
-    local retry_deadline = num(opts, "retry_deadline", 60, MAX_SECONDS)
-    local flush_timeout = num(opts, "flush_timeout", 3, 3600)
-    local warn_interval = num(opts, "warn_interval", 10, MAX_SECONDS)
-    -- the credentials check their own options (and raise) before the
-    -- client is made
-    local cred = auth.new(cred_opts, "opts.credentials")
+    local scheme, host, port = parse_url(endpoint)
+    local timeout = opts.timeout or 10
+    local concurrency = opts.concurrency or 4
+    local client = http.new({
+        scheme = scheme, host = host, port = port,
+        ssl_verify = opts.ssl_verify, server_name = opts.server_name,
+        connect_timeout = min(timeout, 5), send_timeout = timeout,
+        read_timeout = timeout, timeout = timeout,
+        pool_size = concurrency * 2, keepalive_timeout = 60,
+    })
+    -- may still raise (a key that does not load, no such shared dict):
+    -- the last check, and the first thing that stays (a shared credential)
+    local cred = auth.new(cred_opts, "opts.credentials", 2)
+    local user_project = opts.user_project
 
     local self = {
-        name = name or (project .. "/" .. topic),
+        name = opts.name or (project .. "/" .. topic),
         project = project,
         topic = topic,
         path = "/v1/projects/" .. project .. "/topics/" .. topic
@@ -377,29 +377,23 @@ function _M.new(opts)
         headers = "Content-Type: application/json\r\n"
                   .. (user_project and ("X-Goog-User-Project: "
                       .. user_project .. "\r\n") or ""),
-        batch_max_messages = batch_max_messages,
-        batch_max_bytes = batch_max_bytes,
-        batch_max_delay = batch_max_delay,
-        buffer_max_messages = buffer_max_messages,
-        buffer_max_bytes = buffer_max_bytes,
-        overflow = overflow,
+        batch_max_messages = opts.batch_max_messages or MAX_MESSAGES,
+        batch_max_bytes = opts.batch_max_bytes or 1000000,
+        batch_max_delay = opts.batch_max_delay or 0.05,
+        buffer_max_messages = opts.buffer_max_messages or 100000,
+        buffer_max_bytes = opts.buffer_max_bytes or 64 * 1024 * 1024,
+        overflow = opts.overflow or "reject",
         concurrency = concurrency,
         timeout = timeout,
-        retry_deadline = retry_deadline,
+        retry_deadline = opts.retry_deadline or 60,
         retry_initial = retry_initial,
         retry_max_backoff = retry_max_backoff,
-        flush_timeout = flush_timeout,
-        warn_interval = warn_interval,
+        flush_timeout = opts.flush_timeout or 3,
+        warn_interval = opts.warn_interval or 10,
         on_success = opts.on_success,
         on_error = opts.on_error,
         cred = cred,
-        client = http.new({
-            scheme = scheme, host = host, port = port,
-            ssl_verify = opts.ssl_verify, server_name = server_name,
-            connect_timeout = min(timeout, 5), send_timeout = timeout,
-            read_timeout = timeout, timeout = timeout,
-            pool_size = concurrency * 2, keepalive_timeout = 60,
-        }),
+        client = client,
         -- state
         queues = {},
         opening = fifo_new(),    -- batches by creation time (deadlines)
@@ -409,7 +403,7 @@ function _M.new(opts)
         scratch = buf_new(2048),
         scratch_tail = buf_new(2048),
         free_bufs = {},
-        backlog = false,         -- draining a big buffer: see dispatch()
+        backlog = false,         -- draining a big buffer: see buffer.settle()
         garbage = 0,             -- bytes of body pieces not yet collected
         running = false,
         recycling = false,       -- senders moving to a fresh timer
