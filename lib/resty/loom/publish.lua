@@ -8,6 +8,8 @@
 -- them over keep-alive connections, retrying transient failures with
 -- backoff and jitter until a deadline. On worker exit (QUIT, HUP reload) the
 -- buffer is flushed within a time budget and whatever is left is reported.
+-- The parts, in publish/: buffer.lua (the accepted messages), sender.lua,
+-- report.lua (callbacks, warnings), shutdown.lua, stats.lua, auth.lua.
 
 
 local semaphore = require "ngx.semaphore"
@@ -54,7 +56,8 @@ local ENVELOPE = #'{"messages":[]}'
 local MAX_SECONDS = 86400
 local DEFAULT_ENDPOINT = "https://pubsub.googleapis.com"
 
--- every publisher of this worker by name, for the stats collector
+-- every publisher of this worker by name: for the stats collector and
+-- init_worker()
 local publishers = {}
 
 
