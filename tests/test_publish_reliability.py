@@ -200,18 +200,18 @@ def test_bad_options_refused_before_anything_is_made(nginx):
     def says(case, text):
         err = res[case][1]
         assert text in err, (case, err)
-    says("batch_size", "opts.batch_size: unknown option")
+    says("batch_size", "opts.batch_size is not an option")
     says("concurrency 1.5", "opts.concurrency must be a whole number")
     says("backoff order", "opts.retry_initial_backoff must be at most "
                           "opts.retry_max_backoff")
     says("ssl_verify", "opts.ssl_verify must be a boolean")
-    says("empty credentials", "opts.credentials must give key, key_file, "
-                              "token or type")
-    says("misspelled credentials", "opts.credentials.tokn: unknown option")
+    says("empty credentials", "opts.credentials must be a table with key, "
+                              "key_file, token or type")
+    says("misspelled credentials", "opts.credentials.tokn is not an option")
     says("credentials margin", "opts.credentials.refresh_margin must be")
     # unused with the emulator, still checked
     says("credentials with emulator",
-         "opts.credentials.key_fle: unknown option")
+         "opts.credentials.key_fle is not an option")
     for name in NUMBERS:
         for v in ("nan", "inf", "-inf", "0", "-1", "1"):
             case = [c for c in res if c.startswith(name + "=")

@@ -9,6 +9,7 @@
 local cjson = require "cjson.safe"
 local http = require "resty.loom.http"
 local jwt = require "resty.loom.jwt"
+local options = require "resty.loom.opts"
 
 local ngx_now = ngx.now
 local ngx_sleep = ngx.sleep
@@ -23,7 +24,6 @@ local json_decode = cjson.decode
 local type = type
 local concat = table.concat
 local tostring = tostring
-local pairs = pairs
 local floor = math.floor
 local ceil = math.ceil
 local io_open = io.open
@@ -61,87 +61,80 @@ local function read_file(path)
 end
 
 
-local function load_key(opts, label)
+-- the key of opts.key or opts.key_file, checked; raises at level (counted
+-- from this function's caller) naming the option as label.key(_file)
+local function load_key(opts, label, level)
+    level = level + 1
     local key = opts.key
+    local name = label .. ".key"
     if key == nil and opts.key_file ~= nil then
-        if type(opts.key_file) ~= "string" then
-            error(label .. ".key_file must be a string", 3)
-        end
+        name = label .. ".key_file"
         local data, err = read_file(opts.key_file)
         if not data then
-            error(label .. ".key_file: failed to read: " .. err, 3)
+            error(name .. " must be a readable file (" .. err .. ")", level)
         end
         key = data
     end
+    if key == nil then
+        error(label .. ".key or " .. label .. ".key_file is required", level)
+    end
+    local what = name .. " must be a service-account key "
     if type(key) == "string" then
         local t = json_decode(key)
         if type(t) ~= "table" then
-            error(label .. " key is not valid JSON", 3)
+            error(what .. "(not valid JSON)", level)
         end
         key = t
-    end
-    if type(key) ~= "table" then
-        error(label .. ".key or " .. label .. ".key_file is required", 3)
     end
     if type(key.client_email) ~= "string"
        or type(key.private_key) ~= "string"
     then
-        error(label .. " key needs client_email and private_key", 3)
+        error(what .. "(it needs client_email and private_key)", level)
     end
-    return key
+    return key, what
 end
 
 
+local function is_text(v)
+    return type(v) == "string" and v ~= ""
+end
+
+
+local TEXT = options.test(is_text, "a non-empty string")
+local SECONDS = options.above(0, 86400)
+
 -- every option of the credentials table
-local OPTIONS = {
-    type = true, key = true, key_file = true, self_signed_jwt = true,
-    scopes = true, token_uri = true, metadata_host = true, token = true,
-    shm = true, refresh_margin = true, timeout = true, ssl_verify = true,
-    audience = true,
+local RULES = {
+    type = options.one_of("service_account", "metadata", "token", "none"),
+    key = options.test(function(v)
+        return type(v) == "table" or is_text(v)
+    end, "a table or a non-empty string (the key's JSON)"),
+    key_file = TEXT,
+    self_signed_jwt = options.boolean,
+    scopes = options.test(function(v)
+        return type(v) == "table" or is_text(v)
+    end, "a non-empty string or a table"),
+    token_uri = TEXT,
+    metadata_host = TEXT,
+    token = TEXT,
+    shm = TEXT,
+    refresh_margin = SECONDS,
+    timeout = SECONDS,
+    ssl_verify = options.boolean,
+    audience = TEXT,
 }
 
 
-local function secs(opts, name, default, label)
-    local v = opts[name]
-    if v == nil then
-        return default
-    end
-    if type(v) ~= "number" or not (v > 0 and v <= 86400) then
-        error(label .. "." .. name .. " must be a number above 0 to 86400",
-              3)
-    end
-    return v
-end
-
-
--- auth.check(opts, label): raises unless every key of opts is a known
--- credentials option of the right type, and the table says which
--- credentials it is
-local function check(opts, label)
-    if type(opts) ~= "table" then
-        error(label .. " must be a table", 3)
-    end
-    for k, v in pairs(opts) do
-        if not OPTIONS[k] then
-            error(label .. "." .. tostring(k) .. ": unknown option", 3)
-        end
-        local want = "string"
-        if k == "key" or k == "scopes" then
-            want = type(v) == "table" and "table" or "string"
-        elseif k == "self_signed_jwt" or k == "ssl_verify" then
-            want = "boolean"
-        elseif k == "refresh_margin" or k == "timeout" then
-            want = "number"
-        end
-        if type(v) ~= want or v == "" then
-            error(label .. "." .. k .. " must be a"
-                  .. (want == "string" and " non-empty " or " ") .. want, 3)
-        end
-    end
+-- raises unless every key of opts is a credentials option with a good
+-- value and the table says which credentials it is; path names the table
+-- ("opts.credentials"), level as error()'s, counted from the caller
+local function check(opts, path, level)
+    options.check(opts, RULES, level + 1, path)
     if opts.type == nil and opts.key == nil and opts.key_file == nil
        and opts.token == nil
     then
-        error(label .. " must give key, key_file, token or type", 3)
+        error(path .. " must be a table with key, key_file, token or type",
+              level + 1)
     end
 end
 
@@ -397,8 +390,9 @@ function _M.start(self)
 end
 
 
--- cred = auth.new(opts, label) (raises on bad options, naming them as
--- label.<option>, "credentials" by default)
+-- cred = auth.new(opts, label, level) (raises on bad options, naming them
+-- as label.<option>, "credentials" by default, at level as error()'s,
+-- counted from the caller: 1 by default)
 --   opts.type: "service_account" (default when key/key_file is given),
 --     "metadata", "token", "none"
 --   opts.key / opts.key_file: the JSON key (table, string or file path)
@@ -407,9 +401,10 @@ end
 --   opts.scopes, opts.token_uri, opts.metadata_host, opts.token,
 --   opts.shm (lua_shared_dict name), opts.refresh_margin (300 s),
 --   opts.timeout (10 s), opts.ssl_verify (true), opts.audience
-function _M.new(opts, label)
+function _M.new(opts, label, level)
     label = label or "credentials"
-    check(opts, label)
+    level = (level or 1) + 1
+    check(opts, label, level)
     local kind = opts.type
     if kind == nil then
         if opts.key ~= nil or opts.key_file ~= nil then
@@ -424,31 +419,31 @@ function _M.new(opts, label)
 
     local self = {
         kind = kind,
-        margin = secs(opts, "refresh_margin", 300, label),
+        margin = opts.refresh_margin or 300,
         refreshes = 0,
         failures = 0,
         started = false,
         refreshing = false,
     }
-    local timeout = secs(opts, "timeout", 10, label)
+    local timeout = opts.timeout or 10
     local identity
 
     if kind == "none" then
         identity = "none"
 
     elseif kind == "token" then
-        if type(opts.token) ~= "string" or opts.token == "" then
-            error(label .. ".token must be a non-empty string", 2)
+        if opts.token == nil then
+            error(label .. ".token is required", level)
         end
         self.kind = "static"
         self.token = opts.token
         return setmetatable(self, mt)
 
     elseif kind == "service_account" or kind == "self_signed" then
-        local key = load_key(opts, label)
+        local key, what = load_key(opts, label, level)
         local signer, err = jwt.new(key.private_key)
         if not signer then
-            error(label .. " private_key: " .. err, 2)
+            error(what .. "(private_key: " .. err .. ")", level)
         end
         self.signer = signer
         self.email = key.client_email
@@ -465,7 +460,11 @@ function _M.new(opts, label)
             local uri = opts.token_uri or key.token_uri or DEFAULT_TOKEN_URI
             local scheme, host, port, path = http.parse_url(uri)
             if not scheme then
-                error(label .. " token_uri: " .. host, 2)
+                if opts.token_uri then
+                    error(label .. ".token_uri must be an http or https URL ("
+                          .. host .. ")", level)
+                end
+                error(what .. "(token_uri: " .. host .. ")", level)
             end
             self.token_uri = uri
             self.token_path = path
@@ -483,7 +482,8 @@ function _M.new(opts, label)
                      or DEFAULT_METADATA_HOST
         local h, port = host:match("^([^:]+):?(%d*)$")
         if not h then
-            error(label .. ".metadata_host is not host[:port]", 2)
+            error((opts.metadata_host and label .. ".metadata_host"
+                   or "GCE_METADATA_HOST") .. " must be host[:port]", level)
         end
         local path = METADATA_PATH
         if opts.scopes then
@@ -500,18 +500,14 @@ function _M.new(opts, label)
             read_timeout = timeout, pool_size = 4,
         })
         identity = "md:" .. host .. path
-
-    else
-        error(label .. ".type must be service_account, metadata, token "
-              .. "or none", 2)
     end
 
     local shm_name = opts.shm
     if shm_name ~= nil then
         local shm = ngx.shared[shm_name]
         if not shm then
-            error(label .. ".shm: no lua_shared_dict " .. tostring(shm_name),
-                  2)
+            error(label .. ".shm must be the name of a lua_shared_dict (none "
+                  .. "is called " .. shm_name .. ")", level)
         end
         self.shm = shm
     end
@@ -532,8 +528,10 @@ function _M.new(opts, label)
 end
 
 
-function _M.check(opts, label)
-    check(opts, label or "credentials")
+-- auth.check(opts, path, level): the checks of new(), without making
+-- anything; level as error()'s, counted from the caller
+function _M.check(opts, path, level)
+    check(opts, path or "credentials", (level or 1) + 1)
 end
 
 
