@@ -267,11 +267,6 @@ const unsigned char *ngx_loom_offload_request(loom_offload_task_t *t,
 int ngx_loom_offload_cancelled(loom_offload_task_t *t);
 void ngx_loom_offload_kick_handler(ngx_event_t *ev);
 void ngx_loom_offload_unpend(loom_offload_task_t *t);
-void ngx_loom_offload_held_init(void);
-ngx_loom_offload_held_t *ngx_loom_offload_held_stripe(
-    loom_offload_task_t *t);
-loom_offload_task_t **ngx_loom_offload_held_find(
-    ngx_loom_offload_held_t *h, loom_offload_task_t *t);
 
 /* ngx_loom_offload_completion.c */
 int ngx_loom_offload_answer(loom_offload_task_t *t, int status,
@@ -287,6 +282,11 @@ void ngx_loom_offload_gc_handler(ngx_event_t *ev);
 void ngx_loom_offload_task_free(loom_offload_task_t *t);
 void ngx_loom_offload_trim_handler(ngx_event_t *ev);
 void ngx_loom_offload_reclaim_handler(ngx_event_t *ev);
+void ngx_loom_offload_held_init(void);
+ngx_loom_offload_held_t *ngx_loom_offload_held_stripe(
+    loom_offload_task_t *t);
+loom_offload_task_t **ngx_loom_offload_held_find(
+    ngx_loom_offload_held_t *h, loom_offload_task_t *t);
 
 /* ngx_loom_offload_stats.c */
 void ngx_loom_offload_latency(loom_offload_queue_t *q, uint64_t us);

@@ -41,31 +41,17 @@
  */
 #define LOOM_SPIN_PAYS_NS            10000
 
-/*
- * tasks runtime threads hold (taken, not answered), by address: answer()
- * checks a task against them before it touches it, so that a second
- * answer, or an answer for something never taken, is refused and logged
- * instead of corrupting the worker. Striped to keep answers from
- * different threads apart
- */
-#define LOOM_HELD_STRIPES            64
-
 
 static void ngx_loom_offload_back(loom_offload_queue_t *q, uint64_t now);
 static ngx_uint_t ngx_loom_offload_wakes(loom_offload_queue_t *q,
     uint64_t now);
 static ngx_uint_t ngx_loom_offload_may_poll(loom_offload_queue_t *q,
     uint64_t pick_ns);
-static void ngx_loom_offload_held_mutexes(void);
 
 /* FFI entry points */
 int ngx_loom_offload_ffi_submit(ngx_http_request_t *r,
     loom_offload_queue_t *q, const u_char *name, size_t name_len,
     const u_char *data, size_t len, loom_offload_task_t **out, void **sem);
-
-
-static ngx_loom_offload_held_t  ngx_loom_offload_held[LOOM_HELD_STRIPES];
-static pthread_once_t           ngx_loom_offload_held_once = PTHREAD_ONCE_INIT;
 
 
 /*
@@ -578,52 +564,5 @@ ngx_loom_offload_cancelled(loom_offload_task_t *t)
     return ngx_loom_load(&t->cancelled) != 0;
 }
 
-
-/* once per process: a worker whose set-up failed tries again */
-void
-ngx_loom_offload_held_init(void)
-{
-    (void) pthread_once(&ngx_loom_offload_held_once,
-                        ngx_loom_offload_held_mutexes);
-}
-
-
-static void
-ngx_loom_offload_held_mutexes(void)
-{
-    ngx_uint_t  i;
-
-    for (i = 0; i < LOOM_HELD_STRIPES; i++) {
-        (void) pthread_mutex_init(&ngx_loom_offload_held[i].mtx, NULL);
-    }
-}
-
-
-ngx_loom_offload_held_t *
-ngx_loom_offload_held_stripe(loom_offload_task_t *t)
-{
-    uintptr_t  a;
-
-    a = (uintptr_t) t;
-
-    return &ngx_loom_offload_held[(a >> 6 ^ a >> 12) % LOOM_HELD_STRIPES];
-}
-
-
-/* the link pointing at t in its stripe, or NULL; under the stripe lock */
-loom_offload_task_t **
-ngx_loom_offload_held_find(ngx_loom_offload_held_t *h,
-    loom_offload_task_t *t)
-{
-    loom_offload_task_t  **pt;
-
-    for (pt = &h->tasks; *pt; pt = &(*pt)->held_next) {
-        if (*pt == t) {
-            return pt;
-        }
-    }
-
-    return NULL;
-}
 
 /* vi:set ft=c ts=4 sw=4 et fdm=marker: */

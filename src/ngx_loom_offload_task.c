@@ -27,13 +27,27 @@
 #define LOOM_TRIM_TASKS              4096
 #define LOOM_TRIM_DELAY              1000
 
+/*
+ * tasks runtime threads hold (taken, not answered), by address: answer()
+ * checks a task against them before it touches it, so that a second
+ * answer, or an answer for something never taken, is refused and logged
+ * instead of corrupting the worker. Striped to keep answers from
+ * different threads apart
+ */
+#define LOOM_HELD_STRIPES            64
+
 
 static void ngx_loom_offload_discard(loom_offload_task_t *t);
 static void ngx_loom_offload_overdue(loom_offload_task_t *t);
+static void ngx_loom_offload_held_mutexes(void);
 
 /* FFI entry points */
 void ngx_loom_offload_ffi_release(loom_offload_task_t *t);
 int ngx_loom_offload_ffi_cancel(loom_offload_task_t *t);
+
+
+static ngx_loom_offload_held_t  ngx_loom_offload_held[LOOM_HELD_STRIPES];
+static pthread_once_t           ngx_loom_offload_held_once = PTHREAD_ONCE_INIT;
 
 
 /* Lua is done with the task (it has read the result) */
@@ -298,6 +312,54 @@ ngx_loom_offload_reclaim_handler(ngx_event_t *ev)
                           q->path, q->reclaim);
         }
     }
+}
+
+
+/* once per process: a worker whose set-up failed tries again */
+void
+ngx_loom_offload_held_init(void)
+{
+    (void) pthread_once(&ngx_loom_offload_held_once,
+                        ngx_loom_offload_held_mutexes);
+}
+
+
+static void
+ngx_loom_offload_held_mutexes(void)
+{
+    ngx_uint_t  i;
+
+    for (i = 0; i < LOOM_HELD_STRIPES; i++) {
+        (void) pthread_mutex_init(&ngx_loom_offload_held[i].mtx, NULL);
+    }
+}
+
+
+ngx_loom_offload_held_t *
+ngx_loom_offload_held_stripe(loom_offload_task_t *t)
+{
+    uintptr_t  a;
+
+    a = (uintptr_t) t;
+
+    return &ngx_loom_offload_held[(a >> 6 ^ a >> 12) % LOOM_HELD_STRIPES];
+}
+
+
+/* the link pointing at t in its stripe, or NULL; under the stripe lock */
+loom_offload_task_t **
+ngx_loom_offload_held_find(ngx_loom_offload_held_t *h,
+    loom_offload_task_t *t)
+{
+    loom_offload_task_t  **pt;
+
+    for (pt = &h->tasks; *pt; pt = &(*pt)->held_next) {
+        if (*pt == t) {
+            return pt;
+        }
+    }
+
+    return NULL;
 }
 
 /* vi:set ft=c ts=4 sw=4 et fdm=marker: */
