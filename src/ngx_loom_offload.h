@@ -266,6 +266,7 @@ const unsigned char *ngx_loom_offload_request(loom_offload_task_t *t,
     size_t *len);
 int ngx_loom_offload_cancelled(loom_offload_task_t *t);
 void ngx_loom_offload_kick_handler(ngx_event_t *ev);
+void ngx_loom_offload_request_cleanup(void *data);
 void ngx_loom_offload_unpend(loom_offload_task_t *t);
 
 /* ngx_loom_offload_completion.c */
@@ -277,7 +278,8 @@ void ngx_loom_offload_channel_close(void);
 void ngx_loom_offload_resolve(loom_offload_task_t *t, int result);
 
 /* ngx_loom_offload_task.c */
-void ngx_loom_offload_request_cleanup(void *data);
+void ngx_loom_offload_discard(loom_offload_task_t *t);
+void ngx_loom_offload_overdue(loom_offload_task_t *t);
 void ngx_loom_offload_gc_handler(ngx_event_t *ev);
 void ngx_loom_offload_task_free(loom_offload_task_t *t);
 void ngx_loom_offload_trim_handler(ngx_event_t *ev);

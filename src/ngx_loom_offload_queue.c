@@ -52,6 +52,7 @@ static ngx_uint_t ngx_loom_offload_may_poll(loom_offload_queue_t *q,
 int ngx_loom_offload_ffi_submit(ngx_http_request_t *r,
     loom_offload_queue_t *q, const u_char *name, size_t name_len,
     const u_char *data, size_t len, loom_offload_task_t **out, void **sem);
+int ngx_loom_offload_ffi_cancel(loom_offload_task_t *t);
 
 
 /*
@@ -518,6 +519,79 @@ ngx_loom_offload_kick_handler(ngx_event_t *ev)
 
     if (left && !q->wake_ev.timer_set) {
         ngx_add_timer(&q->wake_ev, LOOM_WAKE_CHECK_MS);
+    }
+}
+
+
+/*
+ * The wait timed out. Returns 1 when the result arrived anyway (in the
+ * same event loop iteration): the caller then reads it as usual.
+ * Otherwise marks the task cancelled and lets go of it; returns 0.
+ */
+int
+ngx_loom_offload_ffi_cancel(loom_offload_task_t *t)
+{
+    if (t->resolved) {
+        return 1;
+    }
+
+    t->queue->timeouts++;
+
+    ngx_loom_store(&t->cancelled, 1);
+
+    if (t->in_request) {
+        ngx_queue_remove(&t->rlink);
+        t->in_request = 0;
+    }
+
+    t->lua = 0;
+
+    ngx_loom_offload_unpend(t);
+
+    if (!t->rt) {
+        ngx_loom_offload_discard(t);
+
+    } else {
+        ngx_loom_offload_overdue(t);
+    }
+
+    return 0;
+}
+
+
+void
+ngx_loom_offload_request_cleanup(void *data)
+{
+    ngx_loom_offload_rctx_t  *rctx = data;
+
+    ngx_queue_t          *x;
+    loom_offload_task_t  *t;
+
+    while (!ngx_queue_empty(&rctx->tasks)) {
+        x = ngx_queue_head(&rctx->tasks);
+        ngx_queue_remove(x);
+
+        t = ngx_queue_data(x, loom_offload_task_t, rlink);
+        t->in_request = 0;
+        t->lua = 0;
+
+        if (!t->resolved) {
+            t->queue->aborted++;
+        }
+
+        ngx_loom_store(&t->cancelled, 1);
+        ngx_loom_offload_unpend(t);
+
+        if (!t->rt) {
+            /*
+             * the coroutine may still sit in the semaphore's wait queue
+             * until lua-nginx-module's own cleanup runs
+             */
+            ngx_loom_offload_discard(t);
+
+        } else {
+            ngx_loom_offload_overdue(t);
+        }
     }
 }
 

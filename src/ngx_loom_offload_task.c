@@ -37,13 +37,10 @@
 #define LOOM_HELD_STRIPES            64
 
 
-static void ngx_loom_offload_discard(loom_offload_task_t *t);
-static void ngx_loom_offload_overdue(loom_offload_task_t *t);
 static void ngx_loom_offload_held_mutexes(void);
 
 /* FFI entry points */
 void ngx_loom_offload_ffi_release(loom_offload_task_t *t);
-int ngx_loom_offload_ffi_cancel(loom_offload_task_t *t);
 
 
 static ngx_loom_offload_held_t  ngx_loom_offload_held[LOOM_HELD_STRIPES];
@@ -75,79 +72,6 @@ ngx_loom_offload_ffi_release(loom_offload_task_t *t)
 
 
 /*
- * The wait timed out. Returns 1 when the result arrived anyway (in the
- * same event loop iteration): the caller then reads it as usual.
- * Otherwise marks the task cancelled and lets go of it; returns 0.
- */
-int
-ngx_loom_offload_ffi_cancel(loom_offload_task_t *t)
-{
-    if (t->resolved) {
-        return 1;
-    }
-
-    t->queue->timeouts++;
-
-    ngx_loom_store(&t->cancelled, 1);
-
-    if (t->in_request) {
-        ngx_queue_remove(&t->rlink);
-        t->in_request = 0;
-    }
-
-    t->lua = 0;
-
-    ngx_loom_offload_unpend(t);
-
-    if (!t->rt) {
-        ngx_loom_offload_discard(t);
-
-    } else {
-        ngx_loom_offload_overdue(t);
-    }
-
-    return 0;
-}
-
-
-void
-ngx_loom_offload_request_cleanup(void *data)
-{
-    ngx_loom_offload_rctx_t  *rctx = data;
-
-    ngx_queue_t          *x;
-    loom_offload_task_t  *t;
-
-    while (!ngx_queue_empty(&rctx->tasks)) {
-        x = ngx_queue_head(&rctx->tasks);
-        ngx_queue_remove(x);
-
-        t = ngx_queue_data(x, loom_offload_task_t, rlink);
-        t->in_request = 0;
-        t->lua = 0;
-
-        if (!t->resolved) {
-            t->queue->aborted++;
-        }
-
-        ngx_loom_store(&t->cancelled, 1);
-        ngx_loom_offload_unpend(t);
-
-        if (!t->rt) {
-            /*
-             * the coroutine may still sit in the semaphore's wait queue
-             * until lua-nginx-module's own cleanup runs
-             */
-            ngx_loom_offload_discard(t);
-
-        } else {
-            ngx_loom_offload_overdue(t);
-        }
-    }
-}
-
-
-/*
  * Frees a task nobody holds any more at the end of this event loop
  * iteration, not now: a call returns to Lua from inside its semaphore's
  * event handler, which reads the semaphore again after the coroutine
@@ -155,7 +79,7 @@ ngx_loom_offload_request_cleanup(void *data)
  * when its last one comes back. Returning the semaphore there crashed
  * workers with more than two blocks of calls in flight
  */
-static void
+void
 ngx_loom_offload_discard(loom_offload_task_t *t)
 {
     ngx_loom_offload_worker_t  *w;
@@ -244,7 +168,7 @@ ngx_loom_offload_trim_handler(ngx_event_t *ev)
  * Lua gave up on a task a runtime thread holds: unless answered within
  * the queue's reclaim time, it is reclaimed (no longer "running", logged)
  */
-static void
+void
 ngx_loom_offload_overdue(loom_offload_task_t *t)
 {
     loom_offload_queue_t  *q;
