@@ -36,7 +36,6 @@
 static void ngx_loom_offload_exit_process(ngx_cycle_t *cycle);
 static ngx_int_t ngx_loom_offload_worker_init(u_char *err, size_t *errlen);
 static void ngx_loom_offload_grace_handler(ngx_event_t *ev);
-static void ngx_loom_offload_close(loom_offload_queue_t *q);
 static void *ngx_loom_offload_start_thread(void *data);
 static void *ngx_loom_offload_shutdown_thread(void *data);
 static int ngx_loom_offload_spawn(void *(*fn)(void *), void *data);
@@ -283,30 +282,6 @@ done:
 }
 
 
-/* the start-up result reached the main thread */
-void
-ngx_loom_offload_started(loom_offload_queue_t *q)
-{
-    if (q->start_rc == 0) {
-        q->started = 1;
-
-        if (q->state == LOOM_OFFLOAD_STARTING) {
-            q->state = LOOM_OFFLOAD_READY;
-        }
-
-        ngx_log_debug1(NGX_LOG_DEBUG_CORE, ngx_cycle->log, 0,
-                       "[loom.offload] %s started", q->path);
-        return;
-    }
-
-    ngx_log_error(NGX_LOG_ERR, ngx_cycle->log, 0,
-                  "[loom.offload] failed to start %s: %s", q->path, q->err);
-
-    ngx_loom_offload_close(q);
-    q->state = LOOM_OFFLOAD_FAILED;
-}
-
-
 static void *
 ngx_loom_offload_shutdown_thread(void *data)
 {
@@ -323,77 +298,6 @@ ngx_loom_offload_shutdown_thread(void *data)
 }
 
 
-/* closes a queue: pending and waiting calls get "closed" */
-static void
-ngx_loom_offload_close(loom_offload_queue_t *q)
-{
-    ngx_queue_t          *x, *next;
-    loom_offload_task_t  *t;
-
-    if (q->grace_ev.timer_set) {
-        ngx_del_timer(&q->grace_ev);
-    }
-
-    if (q->wake_ev.timer_set) {
-        ngx_del_timer(&q->wake_ev);
-    }
-
-    if (q->reclaim_ev.timer_set) {
-        ngx_del_timer(&q->reclaim_ev);
-    }
-
-    if (q->kick_ev.posted) {
-        ngx_delete_posted_event(&q->kick_ev);
-    }
-
-    pthread_mutex_lock(&q->mtx);
-
-    if (q->closed) {
-        pthread_mutex_unlock(&q->mtx);
-        return;
-    }
-
-    ngx_loom_store(&q->closed, 1);
-
-    while (!ngx_queue_empty(&q->pending)) {
-        x = ngx_queue_head(&q->pending);
-        ngx_queue_remove(x);
-        t = ngx_queue_data(x, loom_offload_task_t, pending);
-        t->where = LOOM_WHERE_NONE;
-        t->rt = 0;
-    }
-
-    ngx_loom_store(&q->npending, 0);
-
-    pthread_cond_broadcast(&q->cond);
-    pthread_mutex_unlock(&q->mtx);
-
-    if (q->state != LOOM_OFFLOAD_FAILED) {
-        q->state = LOOM_OFFLOAD_CLOSING;
-    }
-
-    for (x = ngx_queue_head(&q->live);
-         x != ngx_queue_sentinel(&q->live);
-         x = next)
-    {
-        next = ngx_queue_next(x);
-        t = ngx_queue_data(x, loom_offload_task_t, live);
-
-        if (t->rt) {
-            ngx_loom_store(&t->cancelled, 1);
-        }
-
-        if (t->lua && !t->resolved) {
-            ngx_loom_offload_resolve(t, LOOM_RESULT_CLOSED);
-        }
-
-        if (!t->lua && !t->rt && !t->garbage) {
-            ngx_loom_offload_task_free(t);
-        }
-    }
-}
-
-
 static void
 ngx_loom_offload_grace_handler(ngx_event_t *ev)
 {
@@ -405,38 +309,6 @@ ngx_loom_offload_grace_handler(ngx_event_t *ev)
                   "[loom.offload] %s: grace period over, closing", q->path);
 
     ngx_loom_offload_close(q);
-}
-
-
-void
-ngx_loom_offload_exiting(ngx_uint_t now)
-{
-    ngx_queue_t                *x;
-    loom_offload_queue_t       *q;
-    ngx_loom_offload_worker_t  *w;
-
-    w = &ngx_loom_offload_w;
-    w->exiting = 1;
-
-    for (x = ngx_queue_head(&w->queues);
-         x != ngx_queue_sentinel(&w->queues);
-         x = ngx_queue_next(x))
-    {
-        q = ngx_queue_data(x, loom_offload_queue_t, link);
-
-        if (q->closed) {
-            continue;
-        }
-
-        if (now || q->grace == 0) {
-            ngx_loom_offload_close(q);
-            continue;
-        }
-
-        if (!q->grace_ev.timer_set) {
-            ngx_add_timer(&q->grace_ev, q->grace);
-        }
-    }
 }
 
 

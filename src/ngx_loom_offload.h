@@ -255,10 +255,6 @@ extern ngx_loom_offload_worker_t  ngx_loom_offload_w;
 extern __thread loom_offload_queue_t  *ngx_loom_offload_tls_q;
 
 
-/* ngx_loom_offload.c */
-void ngx_loom_offload_started(loom_offload_queue_t *q);
-void ngx_loom_offload_exiting(ngx_uint_t now);
-
 /* ngx_loom_offload_queue.c */
 int ngx_loom_offload_wait(loom_offload_queue_t *q, int timeout_ms,
     loom_offload_task_t **task);
@@ -276,6 +272,7 @@ void ngx_loom_offload_publish(loom_offload_task_t *t);
 ngx_int_t ngx_loom_offload_channel_open(u_char *err, size_t *errlen);
 void ngx_loom_offload_channel_close(void);
 void ngx_loom_offload_resolve(loom_offload_task_t *t, int result);
+void ngx_loom_offload_close(loom_offload_queue_t *q);
 
 /* ngx_loom_offload_task.c */
 void ngx_loom_offload_discard(loom_offload_task_t *t);
