@@ -264,6 +264,7 @@ int ngx_loom_offload_cancelled(loom_offload_task_t *t);
 void ngx_loom_offload_kick_handler(ngx_event_t *ev);
 void ngx_loom_offload_request_cleanup(void *data);
 void ngx_loom_offload_unpend(loom_offload_task_t *t);
+ngx_int_t ngx_loom_offload_queue_close(loom_offload_queue_t *q);
 
 /* ngx_loom_offload_completion.c */
 int ngx_loom_offload_answer(loom_offload_task_t *t, int status,

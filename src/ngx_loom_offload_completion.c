@@ -483,39 +483,13 @@ ngx_loom_offload_close(loom_offload_queue_t *q)
         ngx_del_timer(&q->grace_ev);
     }
 
-    if (q->wake_ev.timer_set) {
-        ngx_del_timer(&q->wake_ev);
-    }
-
     if (q->reclaim_ev.timer_set) {
         ngx_del_timer(&q->reclaim_ev);
     }
 
-    if (q->kick_ev.posted) {
-        ngx_delete_posted_event(&q->kick_ev);
-    }
-
-    pthread_mutex_lock(&q->mtx);
-
-    if (q->closed) {
-        pthread_mutex_unlock(&q->mtx);
+    if (ngx_loom_offload_queue_close(q) != NGX_OK) {
         return;
     }
-
-    ngx_loom_store(&q->closed, 1);
-
-    while (!ngx_queue_empty(&q->pending)) {
-        x = ngx_queue_head(&q->pending);
-        ngx_queue_remove(x);
-        t = ngx_queue_data(x, loom_offload_task_t, pending);
-        t->where = LOOM_WHERE_NONE;
-        t->rt = 0;
-    }
-
-    ngx_loom_store(&q->npending, 0);
-
-    pthread_cond_broadcast(&q->cond);
-    pthread_mutex_unlock(&q->mtx);
 
     if (q->state != LOOM_OFFLOAD_FAILED) {
         q->state = LOOM_OFFLOAD_CLOSING;

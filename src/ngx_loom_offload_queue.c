@@ -621,6 +621,51 @@ ngx_loom_offload_unpend(loom_offload_task_t *t)
 }
 
 
+/*
+ * Closes the queue itself: sleeping runtime threads wake to "closed", and
+ * tasks no thread took yet are the runtime's no more. NGX_DECLINED when
+ * it was closed already
+ */
+ngx_int_t
+ngx_loom_offload_queue_close(loom_offload_queue_t *q)
+{
+    ngx_queue_t          *x;
+    loom_offload_task_t  *t;
+
+    if (q->wake_ev.timer_set) {
+        ngx_del_timer(&q->wake_ev);
+    }
+
+    if (q->kick_ev.posted) {
+        ngx_delete_posted_event(&q->kick_ev);
+    }
+
+    pthread_mutex_lock(&q->mtx);
+
+    if (q->closed) {
+        pthread_mutex_unlock(&q->mtx);
+        return NGX_DECLINED;
+    }
+
+    ngx_loom_store(&q->closed, 1);
+
+    while (!ngx_queue_empty(&q->pending)) {
+        x = ngx_queue_head(&q->pending);
+        ngx_queue_remove(x);
+        t = ngx_queue_data(x, loom_offload_task_t, pending);
+        t->where = LOOM_WHERE_NONE;
+        t->rt = 0;
+    }
+
+    ngx_loom_store(&q->npending, 0);
+
+    pthread_cond_broadcast(&q->cond);
+    pthread_mutex_unlock(&q->mtx);
+
+    return NGX_OK;
+}
+
+
 const unsigned char *
 ngx_loom_offload_request(loom_offload_task_t *t, size_t *len)
 {
