@@ -92,12 +92,6 @@ static const loom_offload_host_t  ngx_loom_offload_host = {
 };
 
 
-ngx_loom_offload_worker_t  ngx_loom_offload_w = {
-    PTHREAD_MUTEX_INITIALIZER, NULL, -1,
-    0, 0, 0, 0, NULL, { NULL, NULL }, NULL,
-    { 0 }, 0, 0, { 0 }, NULL, NULL, NULL
-};
-
 static pthread_mutex_t  ngx_loom_offload_exit_mtx = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t   ngx_loom_offload_exit_cond = PTHREAD_COND_INITIALIZER;
 

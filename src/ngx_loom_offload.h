@@ -248,7 +248,7 @@ extern ngx_module_t  ngx_loom_offload_module;
  */
 #pragma GCC visibility push(hidden)
 
-/* ngx_loom_offload.c: the worker's runtimes and completion channel */
+/* ngx_loom_offload_task.c: the worker's runtimes, tasks, channel */
 extern ngx_loom_offload_worker_t  ngx_loom_offload_w;
 
 /* ngx_loom_offload_queue.c: the queue a runtime thread last took from */

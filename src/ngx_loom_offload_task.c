@@ -43,6 +43,12 @@ static void ngx_loom_offload_held_mutexes(void);
 void ngx_loom_offload_ffi_release(loom_offload_task_t *t);
 
 
+ngx_loom_offload_worker_t  ngx_loom_offload_w = {
+    PTHREAD_MUTEX_INITIALIZER, NULL, -1,
+    0, 0, 0, 0, NULL, { NULL, NULL }, NULL,
+    { 0 }, 0, 0, { 0 }, NULL, NULL, NULL
+};
+
 static ngx_loom_offload_held_t  ngx_loom_offload_held[LOOM_HELD_STRIPES];
 static pthread_once_t           ngx_loom_offload_held_once = PTHREAD_ONCE_INIT;
 
