@@ -35,7 +35,6 @@
 
 static void ngx_loom_offload_exit_process(ngx_cycle_t *cycle);
 static ngx_int_t ngx_loom_offload_worker_init(u_char *err, size_t *errlen);
-static void ngx_loom_offload_grace_handler(ngx_event_t *ev);
 static void *ngx_loom_offload_start_thread(void *data);
 static void *ngx_loom_offload_shutdown_thread(void *data);
 static int ngx_loom_offload_spawn(void *(*fn)(void *), void *data);
@@ -289,20 +288,6 @@ ngx_loom_offload_shutdown_thread(void *data)
     pthread_mutex_unlock(&ngx_loom_offload_exit_mtx);
 
     return NULL;
-}
-
-
-static void
-ngx_loom_offload_grace_handler(ngx_event_t *ev)
-{
-    loom_offload_queue_t  *q;
-
-    q = ev->data;
-
-    ngx_log_error(NGX_LOG_INFO, ev->log, 0,
-                  "[loom.offload] %s: grace period over, closing", q->path);
-
-    ngx_loom_offload_close(q);
 }
 
 

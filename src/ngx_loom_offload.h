@@ -274,6 +274,7 @@ ngx_int_t ngx_loom_offload_channel_open(u_char *err, size_t *errlen);
 void ngx_loom_offload_channel_close(void);
 void ngx_loom_offload_resolve(loom_offload_task_t *t, int result);
 void ngx_loom_offload_close(loom_offload_queue_t *q);
+void ngx_loom_offload_grace_handler(ngx_event_t *ev);
 
 /* ngx_loom_offload_task.c */
 void ngx_loom_offload_discard(loom_offload_task_t *t);

@@ -517,6 +517,20 @@ ngx_loom_offload_close(loom_offload_queue_t *q)
 }
 
 
+void
+ngx_loom_offload_grace_handler(ngx_event_t *ev)
+{
+    loom_offload_queue_t  *q;
+
+    q = ev->data;
+
+    ngx_log_error(NGX_LOG_INFO, ev->log, 0,
+                  "[loom.offload] %s: grace period over, closing", q->path);
+
+    ngx_loom_offload_close(q);
+}
+
+
 static void
 ngx_loom_offload_exiting(ngx_uint_t now)
 {
