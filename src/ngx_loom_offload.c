@@ -9,22 +9,32 @@
  * functions (ngx_http_lua_ffi_sema_*, resolved with dlsym); a runtime
  * thread takes it, runs it and answers from any thread.
  *
- * This file holds the module and the runtime registry and lifecycle: the
- * worker's list of runtimes, each dlopen()ed and initialised on a
- * start-up thread with all signals blocked (never on the event loop),
- * closed on request or when its grace period after a graceful shutdown
- * began is over (waiting calls then get "closed"), and shut down at
- * worker exit on helper threads with a bounded wait. The mechanisms live
- * beside it, sharing ngx_loom_offload.h:
+ * This file is the top layer, the module's face: the module, the FFI
+ * entry points that load, query and close a runtime, and the host table
+ * runtimes call. Each runtime is dlopen()ed and initialised on a start-up
+ * thread with all signals blocked (never on the event loop), closed on
+ * request or when its grace period after a graceful shutdown began is
+ * over (waiting calls then get "closed"), and shut down at worker exit on
+ * helper threads with a bounded wait.
  *
- *   ngx_loom_offload_queue.c       the task queue: submit, host->wait(),
- *                                  waking sleeping runtime threads
- *   ngx_loom_offload_completion.c  host->answer() to the event loop: the
- *                                  completion list, the eventfd, polling
- *   ngx_loom_offload_task.c        who holds a task and when it is freed
- *   ngx_loom_offload_stats.c       the latency histogram, rt:stats()
- *   ngx_loom_offload_sigchld.c     nginx's SIGCHLD handler kept off the
- *                                  children of runtime threads
+ * The offload files are layers sharing ngx_loom_offload.h. A file calls
+ * only files below it, never one above, and no file gives a lower one a
+ * function to call back: an event's handler lives in the file that arms
+ * the event. Lua calls each file's FFI entry points directly:
+ *
+ *   1 ngx_loom_offload.c             this file
+ *   2 ngx_loom_offload_completion.c  host->answer() to the event loop and
+ *                                    how calls end: the completion list,
+ *                                    the eventfd, polling, results; a
+ *                                    runtime started, closed, exiting
+ *   3 ngx_loom_offload_queue.c       the task queue: submit, cancel,
+ *                                    host->wait(), waking runtime threads
+ *   4 ngx_loom_offload_task.c        who holds a task, when it is freed;
+ *                                    the worker's state
+ *   5 ngx_loom_offload_stats.c       the latency histogram, rt:stats()
+ *   - ngx_loom_offload_sigchld.c     nginx's SIGCHLD handler kept off the
+ *                                    children of runtime threads: a leaf
+ *                                    only this file calls
  */
 
 

@@ -3,9 +3,10 @@
  * Copyright (C) resty-loom authors
  *
  * What the offload files share: the task, queue and per-worker layouts
- * and the functions one file calls in another. Private to src/: runtimes
- * see only include/loom_offload.h. ngx_loom_offload.c says how the parts
- * fit together.
+ * and the functions one file calls in another, grouped by file from the
+ * top layer down. A file may call only the groups below its own
+ * (ngx_loom_offload.c lists the layers). Private to src/: runtimes see
+ * only include/loom_offload.h.
  */
 
 
@@ -248,12 +249,22 @@ extern ngx_module_t  ngx_loom_offload_module;
  */
 #pragma GCC visibility push(hidden)
 
-/* ngx_loom_offload_task.c: the worker's runtimes, tasks, channel */
-extern ngx_loom_offload_worker_t  ngx_loom_offload_w;
-
 /* ngx_loom_offload_queue.c: the queue a runtime thread last took from */
 extern __thread loom_offload_queue_t  *ngx_loom_offload_tls_q;
 
+/* ngx_loom_offload_task.c: the worker's runtimes, tasks, channel */
+extern ngx_loom_offload_worker_t  ngx_loom_offload_w;
+
+
+/* ngx_loom_offload_completion.c */
+int ngx_loom_offload_answer(loom_offload_task_t *t, int status,
+    const void *data, size_t len);
+void ngx_loom_offload_publish(loom_offload_task_t *t);
+ngx_int_t ngx_loom_offload_channel_open(u_char *err, size_t *errlen);
+void ngx_loom_offload_channel_close(void);
+void ngx_loom_offload_resolve(loom_offload_task_t *t, int result);
+void ngx_loom_offload_close(loom_offload_queue_t *q);
+void ngx_loom_offload_grace_handler(ngx_event_t *ev);
 
 /* ngx_loom_offload_queue.c */
 int ngx_loom_offload_wait(loom_offload_queue_t *q, int timeout_ms,
@@ -265,16 +276,6 @@ void ngx_loom_offload_kick_handler(ngx_event_t *ev);
 void ngx_loom_offload_request_cleanup(void *data);
 void ngx_loom_offload_unpend(loom_offload_task_t *t);
 ngx_int_t ngx_loom_offload_queue_close(loom_offload_queue_t *q);
-
-/* ngx_loom_offload_completion.c */
-int ngx_loom_offload_answer(loom_offload_task_t *t, int status,
-    const void *data, size_t len);
-void ngx_loom_offload_publish(loom_offload_task_t *t);
-ngx_int_t ngx_loom_offload_channel_open(u_char *err, size_t *errlen);
-void ngx_loom_offload_channel_close(void);
-void ngx_loom_offload_resolve(loom_offload_task_t *t, int result);
-void ngx_loom_offload_close(loom_offload_queue_t *q);
-void ngx_loom_offload_grace_handler(ngx_event_t *ev);
 
 /* ngx_loom_offload_task.c */
 void ngx_loom_offload_discard(loom_offload_task_t *t);

@@ -12,6 +12,12 @@
  * submission (ngx_loom_offload_ffi_poll), and the answer is then handed
  * over without the eventfd. The connection is marked idle, so that nginx
  * tells us when a graceful shutdown begins (ngx_loom_offload_exiting).
+ * A runtime's start-up result comes the same way, so starting, exiting
+ * and closing a runtime (ngx_loom_offload_close: pending and waiting
+ * calls get "closed") are here too.
+ *
+ * Layer 2 of the offload files (ngx_loom_offload.c lists them): called by
+ * ngx_loom_offload.c; calls queue.c, task.c and stats.c, never up.
  */
 
 

@@ -10,8 +10,15 @@
  * are woken once per event loop iteration (a posted event), not once per
  * task, and only as many as the backlog needs given how long tasks take:
  * a fast runtime's tasks are left to the threads already awake. Tasks
- * taken and not yet answered are "held", by address, so that answer()
- * can refuse a task the runtime does not hold.
+ * taken and not yet answered are "held", by address (task.c), so that
+ * answer() can refuse a task the runtime does not hold. A call that timed
+ * out (ngx_loom_offload_ffi_cancel) or whose request ended takes its task
+ * off the queue if no thread took it yet.
+ *
+ * Layer 3 of the offload files (ngx_loom_offload.c lists them): called by
+ * ngx_loom_offload.c and completion.c; calls task.c only, never up. It
+ * reads ngx_loom_offload_module for its request context slot: data, not
+ * a call.
  */
 
 

@@ -9,7 +9,13 @@
  * event loop iteration, so late answers are dropped, never delivered to
  * another call. A task Lua gave up on that a runtime thread still holds
  * is reclaimed (no longer counted as running) after the queue's reclaim
- * time, and the heap a burst of tasks left behind is given back.
+ * time, and the heap a burst of tasks left behind is given back. The held
+ * set, the tasks runtime threads have taken and not answered, is here.
+ *
+ * Layer 4 of the offload files (ngx_loom_offload.c lists them): called by
+ * the files above; calls none of them. The worker's state every layer
+ * reads, ngx_loom_offload_w, is defined here, at the bottom, not in
+ * ngx_loom_offload.c, which the layers would otherwise refer up to.
  */
 
 
