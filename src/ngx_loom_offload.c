@@ -9,22 +9,32 @@
  * functions (ngx_http_lua_ffi_sema_*, resolved with dlsym); a runtime
  * thread takes it, runs it and answers from any thread.
  *
- * This file holds the module and the runtime registry and lifecycle: the
- * worker's list of runtimes, each dlopen()ed and initialised on a
- * start-up thread with all signals blocked (never on the event loop),
- * closed on request or when its grace period after a graceful shutdown
- * began is over (waiting calls then get "closed"), and shut down at
- * worker exit on helper threads with a bounded wait. The mechanisms live
- * beside it, sharing ngx_loom_offload.h:
+ * This file is the top layer, the module's face: the module, the FFI
+ * entry points that load, query and close a runtime, and the host table
+ * runtimes call. Each runtime is dlopen()ed and initialised on a start-up
+ * thread with all signals blocked (never on the event loop), closed on
+ * request or when its grace period after a graceful shutdown began is
+ * over (waiting calls then get "closed"), and shut down at worker exit on
+ * helper threads with a bounded wait.
  *
- *   ngx_loom_offload_queue.c       the task queue: submit, host->wait(),
- *                                  waking sleeping runtime threads
- *   ngx_loom_offload_completion.c  host->answer() to the event loop: the
- *                                  completion list, the eventfd, polling
- *   ngx_loom_offload_task.c        who holds a task and when it is freed
- *   ngx_loom_offload_stats.c       the latency histogram, rt:stats()
- *   ngx_loom_offload_sigchld.c     nginx's SIGCHLD handler kept off the
- *                                  children of runtime threads
+ * The offload files are layers sharing ngx_loom_offload.h. A file calls
+ * only files below it, never one above, and no file gives a lower one a
+ * function to call back: an event's handler lives in the file that arms
+ * the event. Lua calls each file's FFI entry points directly:
+ *
+ *   1 ngx_loom_offload.c             this file
+ *   2 ngx_loom_offload_completion.c  host->answer() to the event loop and
+ *                                    how calls end: the completion list,
+ *                                    the eventfd, polling, results; a
+ *                                    runtime started, closed, exiting
+ *   3 ngx_loom_offload_queue.c       the task queue: submit, cancel,
+ *                                    host->wait(), waking runtime threads
+ *   4 ngx_loom_offload_task.c        who holds a task, when it is freed;
+ *                                    the worker's state
+ *   5 ngx_loom_offload_stats.c       the latency histogram, rt:stats()
+ *   - ngx_loom_offload_sigchld.c     nginx's SIGCHLD handler kept off the
+ *                                    children of runtime threads: a leaf
+ *                                    only this file calls
  */
 
 
@@ -35,8 +45,6 @@
 
 static void ngx_loom_offload_exit_process(ngx_cycle_t *cycle);
 static ngx_int_t ngx_loom_offload_worker_init(u_char *err, size_t *errlen);
-static void ngx_loom_offload_grace_handler(ngx_event_t *ev);
-static void ngx_loom_offload_close(loom_offload_queue_t *q);
 static void *ngx_loom_offload_start_thread(void *data);
 static void *ngx_loom_offload_shutdown_thread(void *data);
 static int ngx_loom_offload_spawn(void *(*fn)(void *), void *data);
@@ -92,12 +100,6 @@ static const loom_offload_host_t  ngx_loom_offload_host = {
     ngx_loom_offload_log
 };
 
-
-ngx_loom_offload_worker_t  ngx_loom_offload_w = {
-    PTHREAD_MUTEX_INITIALIZER, NULL, -1,
-    0, 0, 0, 0, NULL, { NULL, NULL }, NULL,
-    { 0 }, 0, 0, { 0 }, NULL, NULL, NULL
-};
 
 static pthread_mutex_t  ngx_loom_offload_exit_mtx = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t   ngx_loom_offload_exit_cond = PTHREAD_COND_INITIALIZER;
@@ -283,30 +285,6 @@ done:
 }
 
 
-/* the start-up result reached the main thread */
-void
-ngx_loom_offload_started(loom_offload_queue_t *q)
-{
-    if (q->start_rc == 0) {
-        q->started = 1;
-
-        if (q->state == LOOM_OFFLOAD_STARTING) {
-            q->state = LOOM_OFFLOAD_READY;
-        }
-
-        ngx_log_debug1(NGX_LOG_DEBUG_CORE, ngx_cycle->log, 0,
-                       "[loom.offload] %s started", q->path);
-        return;
-    }
-
-    ngx_log_error(NGX_LOG_ERR, ngx_cycle->log, 0,
-                  "[loom.offload] failed to start %s: %s", q->path, q->err);
-
-    ngx_loom_offload_close(q);
-    q->state = LOOM_OFFLOAD_FAILED;
-}
-
-
 static void *
 ngx_loom_offload_shutdown_thread(void *data)
 {
@@ -320,123 +298,6 @@ ngx_loom_offload_shutdown_thread(void *data)
     pthread_mutex_unlock(&ngx_loom_offload_exit_mtx);
 
     return NULL;
-}
-
-
-/* closes a queue: pending and waiting calls get "closed" */
-static void
-ngx_loom_offload_close(loom_offload_queue_t *q)
-{
-    ngx_queue_t          *x, *next;
-    loom_offload_task_t  *t;
-
-    if (q->grace_ev.timer_set) {
-        ngx_del_timer(&q->grace_ev);
-    }
-
-    if (q->wake_ev.timer_set) {
-        ngx_del_timer(&q->wake_ev);
-    }
-
-    if (q->reclaim_ev.timer_set) {
-        ngx_del_timer(&q->reclaim_ev);
-    }
-
-    if (q->kick_ev.posted) {
-        ngx_delete_posted_event(&q->kick_ev);
-    }
-
-    pthread_mutex_lock(&q->mtx);
-
-    if (q->closed) {
-        pthread_mutex_unlock(&q->mtx);
-        return;
-    }
-
-    ngx_loom_store(&q->closed, 1);
-
-    while (!ngx_queue_empty(&q->pending)) {
-        x = ngx_queue_head(&q->pending);
-        ngx_queue_remove(x);
-        t = ngx_queue_data(x, loom_offload_task_t, pending);
-        t->where = LOOM_WHERE_NONE;
-        t->rt = 0;
-    }
-
-    ngx_loom_store(&q->npending, 0);
-
-    pthread_cond_broadcast(&q->cond);
-    pthread_mutex_unlock(&q->mtx);
-
-    if (q->state != LOOM_OFFLOAD_FAILED) {
-        q->state = LOOM_OFFLOAD_CLOSING;
-    }
-
-    for (x = ngx_queue_head(&q->live);
-         x != ngx_queue_sentinel(&q->live);
-         x = next)
-    {
-        next = ngx_queue_next(x);
-        t = ngx_queue_data(x, loom_offload_task_t, live);
-
-        if (t->rt) {
-            ngx_loom_store(&t->cancelled, 1);
-        }
-
-        if (t->lua && !t->resolved) {
-            ngx_loom_offload_resolve(t, LOOM_RESULT_CLOSED);
-        }
-
-        if (!t->lua && !t->rt && !t->garbage) {
-            ngx_loom_offload_task_free(t);
-        }
-    }
-}
-
-
-static void
-ngx_loom_offload_grace_handler(ngx_event_t *ev)
-{
-    loom_offload_queue_t  *q;
-
-    q = ev->data;
-
-    ngx_log_error(NGX_LOG_INFO, ev->log, 0,
-                  "[loom.offload] %s: grace period over, closing", q->path);
-
-    ngx_loom_offload_close(q);
-}
-
-
-void
-ngx_loom_offload_exiting(ngx_uint_t now)
-{
-    ngx_queue_t                *x;
-    loom_offload_queue_t       *q;
-    ngx_loom_offload_worker_t  *w;
-
-    w = &ngx_loom_offload_w;
-    w->exiting = 1;
-
-    for (x = ngx_queue_head(&w->queues);
-         x != ngx_queue_sentinel(&w->queues);
-         x = ngx_queue_next(x))
-    {
-        q = ngx_queue_data(x, loom_offload_queue_t, link);
-
-        if (q->closed) {
-            continue;
-        }
-
-        if (now || q->grace == 0) {
-            ngx_loom_offload_close(q);
-            continue;
-        }
-
-        if (!q->grace_ev.timer_set) {
-            ngx_add_timer(&q->grace_ev, q->grace);
-        }
-    }
 }
 
 

@@ -3,9 +3,10 @@
  * Copyright (C) resty-loom authors
  *
  * What the offload files share: the task, queue and per-worker layouts
- * and the functions one file calls in another. Private to src/: runtimes
- * see only include/loom_offload.h. ngx_loom_offload.c says how the parts
- * fit together.
+ * and the functions one file calls in another, grouped by file from the
+ * top layer down. A file may call only the groups below its own
+ * (ngx_loom_offload.c lists the layers). Private to src/: runtimes see
+ * only include/loom_offload.h.
  */
 
 
@@ -248,30 +249,12 @@ extern ngx_module_t  ngx_loom_offload_module;
  */
 #pragma GCC visibility push(hidden)
 
-/* ngx_loom_offload.c: the worker's runtimes and completion channel */
-extern ngx_loom_offload_worker_t  ngx_loom_offload_w;
-
 /* ngx_loom_offload_queue.c: the queue a runtime thread last took from */
 extern __thread loom_offload_queue_t  *ngx_loom_offload_tls_q;
 
+/* ngx_loom_offload_task.c: the worker's runtimes, tasks, channel */
+extern ngx_loom_offload_worker_t  ngx_loom_offload_w;
 
-/* ngx_loom_offload.c */
-void ngx_loom_offload_started(loom_offload_queue_t *q);
-void ngx_loom_offload_exiting(ngx_uint_t now);
-
-/* ngx_loom_offload_queue.c */
-int ngx_loom_offload_wait(loom_offload_queue_t *q, int timeout_ms,
-    loom_offload_task_t **task);
-const unsigned char *ngx_loom_offload_request(loom_offload_task_t *t,
-    size_t *len);
-int ngx_loom_offload_cancelled(loom_offload_task_t *t);
-void ngx_loom_offload_kick_handler(ngx_event_t *ev);
-void ngx_loom_offload_unpend(loom_offload_task_t *t);
-void ngx_loom_offload_held_init(void);
-ngx_loom_offload_held_t *ngx_loom_offload_held_stripe(
-    loom_offload_task_t *t);
-loom_offload_task_t **ngx_loom_offload_held_find(
-    ngx_loom_offload_held_t *h, loom_offload_task_t *t);
 
 /* ngx_loom_offload_completion.c */
 int ngx_loom_offload_answer(loom_offload_task_t *t, int status,
@@ -280,13 +263,32 @@ void ngx_loom_offload_publish(loom_offload_task_t *t);
 ngx_int_t ngx_loom_offload_channel_open(u_char *err, size_t *errlen);
 void ngx_loom_offload_channel_close(void);
 void ngx_loom_offload_resolve(loom_offload_task_t *t, int result);
+void ngx_loom_offload_close(loom_offload_queue_t *q);
+void ngx_loom_offload_grace_handler(ngx_event_t *ev);
+
+/* ngx_loom_offload_queue.c */
+int ngx_loom_offload_wait(loom_offload_queue_t *q, int timeout_ms,
+    loom_offload_task_t **task);
+const unsigned char *ngx_loom_offload_request(loom_offload_task_t *t,
+    size_t *len);
+int ngx_loom_offload_cancelled(loom_offload_task_t *t);
+void ngx_loom_offload_kick_handler(ngx_event_t *ev);
+void ngx_loom_offload_request_cleanup(void *data);
+void ngx_loom_offload_unpend(loom_offload_task_t *t);
+ngx_int_t ngx_loom_offload_queue_close(loom_offload_queue_t *q);
 
 /* ngx_loom_offload_task.c */
-void ngx_loom_offload_request_cleanup(void *data);
+void ngx_loom_offload_discard(loom_offload_task_t *t);
+void ngx_loom_offload_overdue(loom_offload_task_t *t);
 void ngx_loom_offload_gc_handler(ngx_event_t *ev);
 void ngx_loom_offload_task_free(loom_offload_task_t *t);
 void ngx_loom_offload_trim_handler(ngx_event_t *ev);
 void ngx_loom_offload_reclaim_handler(ngx_event_t *ev);
+void ngx_loom_offload_held_init(void);
+ngx_loom_offload_held_t *ngx_loom_offload_held_stripe(
+    loom_offload_task_t *t);
+loom_offload_task_t **ngx_loom_offload_held_find(
+    ngx_loom_offload_held_t *h, loom_offload_task_t *t);
 
 /* ngx_loom_offload_stats.c */
 void ngx_loom_offload_latency(loom_offload_queue_t *q, uint64_t us);

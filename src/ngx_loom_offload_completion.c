@@ -12,6 +12,12 @@
  * submission (ngx_loom_offload_ffi_poll), and the answer is then handed
  * over without the eventfd. The connection is marked idle, so that nginx
  * tells us when a graceful shutdown begins (ngx_loom_offload_exiting).
+ * A runtime's start-up result comes the same way, so starting, exiting
+ * and closing a runtime (ngx_loom_offload_close: pending and waiting
+ * calls get "closed") are here too.
+ *
+ * Layer 2 of the offload files (ngx_loom_offload.c lists them): called by
+ * ngx_loom_offload.c; calls queue.c, task.c and stats.c, never up.
  */
 
 
@@ -34,6 +40,8 @@
 
 static void ngx_loom_offload_read_handler(ngx_event_t *rev);
 static void ngx_loom_offload_done(loom_offload_task_t *t);
+static void ngx_loom_offload_started(loom_offload_queue_t *q);
+static void ngx_loom_offload_exiting(ngx_uint_t now);
 static void ngx_loom_offload_avg(uint64_t *avg, int64_t sample,
     uint64_t cap);
 
@@ -442,6 +450,121 @@ ngx_loom_offload_resolve(loom_offload_task_t *t, int result)
 
     if (t->sem) {
         (void) ngx_loom_offload_w.sema_post(t->sem, 1);
+    }
+}
+
+
+/* the start-up result reached the main thread */
+static void
+ngx_loom_offload_started(loom_offload_queue_t *q)
+{
+    if (q->start_rc == 0) {
+        q->started = 1;
+
+        if (q->state == LOOM_OFFLOAD_STARTING) {
+            q->state = LOOM_OFFLOAD_READY;
+        }
+
+        ngx_log_debug1(NGX_LOG_DEBUG_CORE, ngx_cycle->log, 0,
+                       "[loom.offload] %s started", q->path);
+        return;
+    }
+
+    ngx_log_error(NGX_LOG_ERR, ngx_cycle->log, 0,
+                  "[loom.offload] failed to start %s: %s", q->path, q->err);
+
+    ngx_loom_offload_close(q);
+    q->state = LOOM_OFFLOAD_FAILED;
+}
+
+
+/* closes a queue: pending and waiting calls get "closed" */
+void
+ngx_loom_offload_close(loom_offload_queue_t *q)
+{
+    ngx_queue_t          *x, *next;
+    loom_offload_task_t  *t;
+
+    if (q->grace_ev.timer_set) {
+        ngx_del_timer(&q->grace_ev);
+    }
+
+    if (q->reclaim_ev.timer_set) {
+        ngx_del_timer(&q->reclaim_ev);
+    }
+
+    if (ngx_loom_offload_queue_close(q) != NGX_OK) {
+        return;
+    }
+
+    if (q->state != LOOM_OFFLOAD_FAILED) {
+        q->state = LOOM_OFFLOAD_CLOSING;
+    }
+
+    for (x = ngx_queue_head(&q->live);
+         x != ngx_queue_sentinel(&q->live);
+         x = next)
+    {
+        next = ngx_queue_next(x);
+        t = ngx_queue_data(x, loom_offload_task_t, live);
+
+        if (t->rt) {
+            ngx_loom_store(&t->cancelled, 1);
+        }
+
+        if (t->lua && !t->resolved) {
+            ngx_loom_offload_resolve(t, LOOM_RESULT_CLOSED);
+        }
+
+        if (!t->lua && !t->rt && !t->garbage) {
+            ngx_loom_offload_task_free(t);
+        }
+    }
+}
+
+
+void
+ngx_loom_offload_grace_handler(ngx_event_t *ev)
+{
+    loom_offload_queue_t  *q;
+
+    q = ev->data;
+
+    ngx_log_error(NGX_LOG_INFO, ev->log, 0,
+                  "[loom.offload] %s: grace period over, closing", q->path);
+
+    ngx_loom_offload_close(q);
+}
+
+
+static void
+ngx_loom_offload_exiting(ngx_uint_t now)
+{
+    ngx_queue_t                *x;
+    loom_offload_queue_t       *q;
+    ngx_loom_offload_worker_t  *w;
+
+    w = &ngx_loom_offload_w;
+    w->exiting = 1;
+
+    for (x = ngx_queue_head(&w->queues);
+         x != ngx_queue_sentinel(&w->queues);
+         x = ngx_queue_next(x))
+    {
+        q = ngx_queue_data(x, loom_offload_queue_t, link);
+
+        if (q->closed) {
+            continue;
+        }
+
+        if (now || q->grace == 0) {
+            ngx_loom_offload_close(q);
+            continue;
+        }
+
+        if (!q->grace_ev.timer_set) {
+            ngx_add_timer(&q->grace_ev, q->grace);
+        }
     }
 }
 

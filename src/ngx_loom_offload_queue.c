@@ -10,8 +10,15 @@
  * are woken once per event loop iteration (a posted event), not once per
  * task, and only as many as the backlog needs given how long tasks take:
  * a fast runtime's tasks are left to the threads already awake. Tasks
- * taken and not yet answered are "held", by address, so that answer()
- * can refuse a task the runtime does not hold.
+ * taken and not yet answered are "held", by address (task.c), so that
+ * answer() can refuse a task the runtime does not hold. A call that timed
+ * out (ngx_loom_offload_ffi_cancel) or whose request ended takes its task
+ * off the queue if no thread took it yet.
+ *
+ * Layer 3 of the offload files (ngx_loom_offload.c lists them): called by
+ * ngx_loom_offload.c and completion.c; calls task.c only, never up. It
+ * reads ngx_loom_offload_module for its request context slot: data, not
+ * a call.
  */
 
 
@@ -41,31 +48,18 @@
  */
 #define LOOM_SPIN_PAYS_NS            10000
 
-/*
- * tasks runtime threads hold (taken, not answered), by address: answer()
- * checks a task against them before it touches it, so that a second
- * answer, or an answer for something never taken, is refused and logged
- * instead of corrupting the worker. Striped to keep answers from
- * different threads apart
- */
-#define LOOM_HELD_STRIPES            64
-
 
 static void ngx_loom_offload_back(loom_offload_queue_t *q, uint64_t now);
 static ngx_uint_t ngx_loom_offload_wakes(loom_offload_queue_t *q,
     uint64_t now);
 static ngx_uint_t ngx_loom_offload_may_poll(loom_offload_queue_t *q,
     uint64_t pick_ns);
-static void ngx_loom_offload_held_mutexes(void);
 
 /* FFI entry points */
 int ngx_loom_offload_ffi_submit(ngx_http_request_t *r,
     loom_offload_queue_t *q, const u_char *name, size_t name_len,
     const u_char *data, size_t len, loom_offload_task_t **out, void **sem);
-
-
-static ngx_loom_offload_held_t  ngx_loom_offload_held[LOOM_HELD_STRIPES];
-static pthread_once_t           ngx_loom_offload_held_once = PTHREAD_ONCE_INIT;
+int ngx_loom_offload_ffi_cancel(loom_offload_task_t *t);
 
 
 /*
@@ -536,6 +530,79 @@ ngx_loom_offload_kick_handler(ngx_event_t *ev)
 }
 
 
+/*
+ * The wait timed out. Returns 1 when the result arrived anyway (in the
+ * same event loop iteration): the caller then reads it as usual.
+ * Otherwise marks the task cancelled and lets go of it; returns 0.
+ */
+int
+ngx_loom_offload_ffi_cancel(loom_offload_task_t *t)
+{
+    if (t->resolved) {
+        return 1;
+    }
+
+    t->queue->timeouts++;
+
+    ngx_loom_store(&t->cancelled, 1);
+
+    if (t->in_request) {
+        ngx_queue_remove(&t->rlink);
+        t->in_request = 0;
+    }
+
+    t->lua = 0;
+
+    ngx_loom_offload_unpend(t);
+
+    if (!t->rt) {
+        ngx_loom_offload_discard(t);
+
+    } else {
+        ngx_loom_offload_overdue(t);
+    }
+
+    return 0;
+}
+
+
+void
+ngx_loom_offload_request_cleanup(void *data)
+{
+    ngx_loom_offload_rctx_t  *rctx = data;
+
+    ngx_queue_t          *x;
+    loom_offload_task_t  *t;
+
+    while (!ngx_queue_empty(&rctx->tasks)) {
+        x = ngx_queue_head(&rctx->tasks);
+        ngx_queue_remove(x);
+
+        t = ngx_queue_data(x, loom_offload_task_t, rlink);
+        t->in_request = 0;
+        t->lua = 0;
+
+        if (!t->resolved) {
+            t->queue->aborted++;
+        }
+
+        ngx_loom_store(&t->cancelled, 1);
+        ngx_loom_offload_unpend(t);
+
+        if (!t->rt) {
+            /*
+             * the coroutine may still sit in the semaphore's wait queue
+             * until lua-nginx-module's own cleanup runs
+             */
+            ngx_loom_offload_discard(t);
+
+        } else {
+            ngx_loom_offload_overdue(t);
+        }
+    }
+}
+
+
 /* takes a task off its queue if no runtime thread has taken it yet */
 void
 ngx_loom_offload_unpend(loom_offload_task_t *t)
@@ -561,6 +628,51 @@ ngx_loom_offload_unpend(loom_offload_task_t *t)
 }
 
 
+/*
+ * Closes the queue itself: sleeping runtime threads wake to "closed", and
+ * tasks no thread took yet are the runtime's no more. NGX_DECLINED when
+ * it was closed already
+ */
+ngx_int_t
+ngx_loom_offload_queue_close(loom_offload_queue_t *q)
+{
+    ngx_queue_t          *x;
+    loom_offload_task_t  *t;
+
+    if (q->wake_ev.timer_set) {
+        ngx_del_timer(&q->wake_ev);
+    }
+
+    if (q->kick_ev.posted) {
+        ngx_delete_posted_event(&q->kick_ev);
+    }
+
+    pthread_mutex_lock(&q->mtx);
+
+    if (q->closed) {
+        pthread_mutex_unlock(&q->mtx);
+        return NGX_DECLINED;
+    }
+
+    ngx_loom_store(&q->closed, 1);
+
+    while (!ngx_queue_empty(&q->pending)) {
+        x = ngx_queue_head(&q->pending);
+        ngx_queue_remove(x);
+        t = ngx_queue_data(x, loom_offload_task_t, pending);
+        t->where = LOOM_WHERE_NONE;
+        t->rt = 0;
+    }
+
+    ngx_loom_store(&q->npending, 0);
+
+    pthread_cond_broadcast(&q->cond);
+    pthread_mutex_unlock(&q->mtx);
+
+    return NGX_OK;
+}
+
+
 const unsigned char *
 ngx_loom_offload_request(loom_offload_task_t *t, size_t *len)
 {
@@ -578,52 +690,5 @@ ngx_loom_offload_cancelled(loom_offload_task_t *t)
     return ngx_loom_load(&t->cancelled) != 0;
 }
 
-
-/* once per process: a worker whose set-up failed tries again */
-void
-ngx_loom_offload_held_init(void)
-{
-    (void) pthread_once(&ngx_loom_offload_held_once,
-                        ngx_loom_offload_held_mutexes);
-}
-
-
-static void
-ngx_loom_offload_held_mutexes(void)
-{
-    ngx_uint_t  i;
-
-    for (i = 0; i < LOOM_HELD_STRIPES; i++) {
-        (void) pthread_mutex_init(&ngx_loom_offload_held[i].mtx, NULL);
-    }
-}
-
-
-ngx_loom_offload_held_t *
-ngx_loom_offload_held_stripe(loom_offload_task_t *t)
-{
-    uintptr_t  a;
-
-    a = (uintptr_t) t;
-
-    return &ngx_loom_offload_held[(a >> 6 ^ a >> 12) % LOOM_HELD_STRIPES];
-}
-
-
-/* the link pointing at t in its stripe, or NULL; under the stripe lock */
-loom_offload_task_t **
-ngx_loom_offload_held_find(ngx_loom_offload_held_t *h,
-    loom_offload_task_t *t)
-{
-    loom_offload_task_t  **pt;
-
-    for (pt = &h->tasks; *pt; pt = &(*pt)->held_next) {
-        if (*pt == t) {
-            return pt;
-        }
-    }
-
-    return NULL;
-}
 
 /* vi:set ft=c ts=4 sw=4 et fdm=marker: */

@@ -14,6 +14,9 @@
  * the main thread has exited (it then reaps every zombie, as before), and
  * is left out for children of runtime threads. Only async-signal-safe
  * calls are made.
+ *
+ * A leaf beside the offload layers (ngx_loom_offload.c lists them):
+ * called by ngx_loom_offload.c only; calls none of them.
  */
 
 

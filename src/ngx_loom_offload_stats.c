@@ -7,6 +7,10 @@
  * (ngx_loom_offload_ffi_stats; lib/resty/loom/offload.lua declares the
  * same ngx_loom_offload_stats_t with ffi.cdef). The counters themselves
  * are bumped where things happen, on the main thread.
+ *
+ * Layer 5, the bottom of the offload files (ngx_loom_offload.c lists
+ * them): called by completion.c (and Lua, through the FFI); calls none of
+ * them.
  */
 
 

@@ -9,7 +9,13 @@
  * event loop iteration, so late answers are dropped, never delivered to
  * another call. A task Lua gave up on that a runtime thread still holds
  * is reclaimed (no longer counted as running) after the queue's reclaim
- * time, and the heap a burst of tasks left behind is given back.
+ * time, and the heap a burst of tasks left behind is given back. The held
+ * set, the tasks runtime threads have taken and not answered, is here.
+ *
+ * Layer 4 of the offload files (ngx_loom_offload.c lists them): called by
+ * the files above; calls none of them. The worker's state every layer
+ * reads, ngx_loom_offload_w, is defined here, at the bottom, not in
+ * ngx_loom_offload.c, which the layers would otherwise refer up to.
  */
 
 
@@ -27,13 +33,30 @@
 #define LOOM_TRIM_TASKS              4096
 #define LOOM_TRIM_DELAY              1000
 
+/*
+ * tasks runtime threads hold (taken, not answered), by address: answer()
+ * checks a task against them before it touches it, so that a second
+ * answer, or an answer for something never taken, is refused and logged
+ * instead of corrupting the worker. Striped to keep answers from
+ * different threads apart
+ */
+#define LOOM_HELD_STRIPES            64
 
-static void ngx_loom_offload_discard(loom_offload_task_t *t);
-static void ngx_loom_offload_overdue(loom_offload_task_t *t);
+
+static void ngx_loom_offload_held_mutexes(void);
 
 /* FFI entry points */
 void ngx_loom_offload_ffi_release(loom_offload_task_t *t);
-int ngx_loom_offload_ffi_cancel(loom_offload_task_t *t);
+
+
+ngx_loom_offload_worker_t  ngx_loom_offload_w = {
+    PTHREAD_MUTEX_INITIALIZER, NULL, -1,
+    0, 0, 0, 0, NULL, { NULL, NULL }, NULL,
+    { 0 }, 0, 0, { 0 }, NULL, NULL, NULL
+};
+
+static ngx_loom_offload_held_t  ngx_loom_offload_held[LOOM_HELD_STRIPES];
+static pthread_once_t           ngx_loom_offload_held_once = PTHREAD_ONCE_INIT;
 
 
 /* Lua is done with the task (it has read the result) */
@@ -61,79 +84,6 @@ ngx_loom_offload_ffi_release(loom_offload_task_t *t)
 
 
 /*
- * The wait timed out. Returns 1 when the result arrived anyway (in the
- * same event loop iteration): the caller then reads it as usual.
- * Otherwise marks the task cancelled and lets go of it; returns 0.
- */
-int
-ngx_loom_offload_ffi_cancel(loom_offload_task_t *t)
-{
-    if (t->resolved) {
-        return 1;
-    }
-
-    t->queue->timeouts++;
-
-    ngx_loom_store(&t->cancelled, 1);
-
-    if (t->in_request) {
-        ngx_queue_remove(&t->rlink);
-        t->in_request = 0;
-    }
-
-    t->lua = 0;
-
-    ngx_loom_offload_unpend(t);
-
-    if (!t->rt) {
-        ngx_loom_offload_discard(t);
-
-    } else {
-        ngx_loom_offload_overdue(t);
-    }
-
-    return 0;
-}
-
-
-void
-ngx_loom_offload_request_cleanup(void *data)
-{
-    ngx_loom_offload_rctx_t  *rctx = data;
-
-    ngx_queue_t          *x;
-    loom_offload_task_t  *t;
-
-    while (!ngx_queue_empty(&rctx->tasks)) {
-        x = ngx_queue_head(&rctx->tasks);
-        ngx_queue_remove(x);
-
-        t = ngx_queue_data(x, loom_offload_task_t, rlink);
-        t->in_request = 0;
-        t->lua = 0;
-
-        if (!t->resolved) {
-            t->queue->aborted++;
-        }
-
-        ngx_loom_store(&t->cancelled, 1);
-        ngx_loom_offload_unpend(t);
-
-        if (!t->rt) {
-            /*
-             * the coroutine may still sit in the semaphore's wait queue
-             * until lua-nginx-module's own cleanup runs
-             */
-            ngx_loom_offload_discard(t);
-
-        } else {
-            ngx_loom_offload_overdue(t);
-        }
-    }
-}
-
-
-/*
  * Frees a task nobody holds any more at the end of this event loop
  * iteration, not now: a call returns to Lua from inside its semaphore's
  * event handler, which reads the semaphore again after the coroutine
@@ -141,7 +91,7 @@ ngx_loom_offload_request_cleanup(void *data)
  * when its last one comes back. Returning the semaphore there crashed
  * workers with more than two blocks of calls in flight
  */
-static void
+void
 ngx_loom_offload_discard(loom_offload_task_t *t)
 {
     ngx_loom_offload_worker_t  *w;
@@ -230,7 +180,7 @@ ngx_loom_offload_trim_handler(ngx_event_t *ev)
  * Lua gave up on a task a runtime thread holds: unless answered within
  * the queue's reclaim time, it is reclaimed (no longer "running", logged)
  */
-static void
+void
 ngx_loom_offload_overdue(loom_offload_task_t *t)
 {
     loom_offload_queue_t  *q;
@@ -298,6 +248,54 @@ ngx_loom_offload_reclaim_handler(ngx_event_t *ev)
                           q->path, q->reclaim);
         }
     }
+}
+
+
+/* once per process: a worker whose set-up failed tries again */
+void
+ngx_loom_offload_held_init(void)
+{
+    (void) pthread_once(&ngx_loom_offload_held_once,
+                        ngx_loom_offload_held_mutexes);
+}
+
+
+static void
+ngx_loom_offload_held_mutexes(void)
+{
+    ngx_uint_t  i;
+
+    for (i = 0; i < LOOM_HELD_STRIPES; i++) {
+        (void) pthread_mutex_init(&ngx_loom_offload_held[i].mtx, NULL);
+    }
+}
+
+
+ngx_loom_offload_held_t *
+ngx_loom_offload_held_stripe(loom_offload_task_t *t)
+{
+    uintptr_t  a;
+
+    a = (uintptr_t) t;
+
+    return &ngx_loom_offload_held[(a >> 6 ^ a >> 12) % LOOM_HELD_STRIPES];
+}
+
+
+/* the link pointing at t in its stripe, or NULL; under the stripe lock */
+loom_offload_task_t **
+ngx_loom_offload_held_find(ngx_loom_offload_held_t *h,
+    loom_offload_task_t *t)
+{
+    loom_offload_task_t  **pt;
+
+    for (pt = &h->tasks; *pt; pt = &(*pt)->held_next) {
+        if (*pt == t) {
+            return pt;
+        }
+    }
+
+    return NULL;
 }
 
 /* vi:set ft=c ts=4 sw=4 et fdm=marker: */

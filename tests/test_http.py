@@ -331,6 +331,16 @@ def test_parse_url_and_bad_options(nginx):
             ok, err = pcall(c.request, c, "GET", "/", nil, nil, t)
             out[#out + 1] = { ok, err }
         end
+        for _, o in ipairs({ { url = "ftp://x/" }, { port = 80 } }) do
+            ok, err = pcall(http.new, o)
+            out[#out + 1] = { ok, err }
+        end
+        -- request_uri's options: refused before anything is sent
+        for _, o in ipairs({ { tiemout = 1 }, { timeout = 0/0 },
+                             { method = 1 } }) do
+            ok, err = pcall(http.request_uri, "http://127.0.0.1:1/", o)
+            out[#out + 1] = { ok, err }
+        end
         ngx.say(cjson.encode(out))
     } }""")
     out = n.get("/p").json()
@@ -342,12 +352,16 @@ def test_parse_url_and_bad_options(nginx):
     assert out[5][0] is None and "no host" in out[5][1]
     assert out[6][0] is False and "opts.port" in out[6][1]
     assert out[7][0] is False and "opts.scheme" in out[7][1]
-    want = ["opts.read_timout: unknown option", "opts.port must be",
+    want = ["opts.read_timout is not an option", "opts.port must be",
             "opts.port must be", "opts.pool_size must be",
             "opts.timeout must be", "opts.connect_timeout must be",
             "opts.read_timeout must be", "opts.keepalive_timeout must be",
             "opts.ssl_verify must be a boolean", "opts.max_body must be"]
     want += ["timeout must be a number of seconds"] * 6
+    want += ["opts.url must be an http:// or https:// URL",
+             "opts.host is required", "opts.tiemout is not an option",
+             "opts.timeout must be a number above 0 and at most 86400",
+             "opts.method must be a non-empty string"]
     for (ok_, err), text in zip(out[8:], want):
         assert ok_ is False and text in err, (err, text)
     assert len(out) == 8 + len(want)

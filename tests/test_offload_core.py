@@ -410,7 +410,7 @@ def test_missing_library(nginx):
     r = n.get("/ready")
     assert r.text.startswith("nilfailed to start: /nonexistent/libnope.so")
     r = n.get("/bad")
-    assert "opts.threads must be an integer from 1 to 1024" in r.text
+    assert "opts.threads must be a whole number from 1 to 1024" in r.text
     assert "config must be a string" in r.text
 
 

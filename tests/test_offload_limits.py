@@ -197,6 +197,8 @@ location /badopts {
         end
         local ok, err = pcall(rt.call, rt, "echo x", { into = {} })
         ngx.say(ok and "accepted" or err)
+        ok, err = pcall(rt.call, rt, "echo x", { timeot = 1 })
+        ngx.say(ok and "accepted" or err)
         for _, t in ipairs({ nan, -inf, inf }) do
             local ok, err = pcall(rt.wait_ready, rt, t)
             ngx.say(ok and "accepted" or err)
@@ -211,11 +213,13 @@ def test_bad_options_refused_before_anything_changes(nginx):
     n = start(nginx, workers=1, server=BAD_OPTS % ('"%s"' % LIB))
     lines = n.get("/badopts").text.splitlines()
     assert "accepted" not in lines, lines
-    assert lines[0] == "opts.thraeds: unknown option"
+    assert lines[0] == "opts.thraeds is not an option"
     for line in lines[1:23]:
         assert line.startswith("opts.") and " must be " in line, lines
     assert lines[23] == "1"           # only the runtime loaded at start
-    assert all("opts.timeout must be a number > 0" in x for x in lines[24:29])
+    assert all("opts.timeout must be a number above 0 and at most 2000000"
+               in x for x in lines[24:29])
     assert lines[29] == "opts.into must be a string.buffer"
-    assert all("timeout must be a number from 0" in x for x in lines[30:33])
-    assert lines[33] == "0"           # no call was submitted
+    assert lines[30] == "opts.timeot is not an option"
+    assert all("timeout must be a number from 0" in x for x in lines[31:34])
+    assert lines[34] == "0"           # no call was submitted

@@ -6,6 +6,7 @@
 
 local buffer = require "string.buffer"
 local semaphore = require "ngx.semaphore"
+local options = require "resty.loom.opts"
 
 local ngx_socket_tcp = ngx.socket.tcp
 local ngx_now = ngx.now
@@ -33,12 +34,6 @@ local MAX_HEADER_LINES = 200
 local DEFAULT_MAX_BODY = 64 * 1024 * 1024
 -- nginx takes socket timeouts up to 2^31 ms (24 days) and raises beyond
 local MAX_SECONDS = 86400
-local OPTIONS = {
-    url = true, scheme = true, host = true, port = true, ssl_verify = true,
-    server_name = true, connect_timeout = true, send_timeout = true,
-    read_timeout = true, timeout = true, keepalive_timeout = true,
-    pool_size = true, max_body = true,
-}
 
 
 local _M = { _VERSION = "0.2.0" }
@@ -79,6 +74,45 @@ function _M.parse_url(url)
 end
 
 
+local SECONDS = options.above(0, MAX_SECONDS)
+local NON_EMPTY = options.test(function(v)
+    return type(v) == "string" and v ~= ""
+end, "a non-empty string")
+
+-- the options of new()
+local RULES = {
+    url = options.test(function(v)
+        return _M.parse_url(v) ~= nil
+    end, "an http:// or https:// URL with a host"),
+    scheme = options.one_of("http", "https"),
+    host = NON_EMPTY,
+    port = options.whole(1, 65535),
+    ssl_verify = options.boolean,
+    server_name = NON_EMPTY,
+    connect_timeout = SECONDS,
+    send_timeout = SECONDS,
+    read_timeout = SECONDS,
+    timeout = SECONDS,                  -- the whole request
+    keepalive_timeout = SECONDS,
+    pool_size = options.whole(1, 100000),
+    max_body = options.number(0, 2^40), -- bytes
+}
+
+-- the options of request_uri()
+local URI_RULES = {
+    method = NON_EMPTY,
+    headers = options.test(function(v)
+        return type(v) == "table" or type(v) == "string"
+    end, "a table or a string"),
+    body = options.test(function(v)
+        return type(v) == "string" or type(v) == "table"
+    end, "a string or a list of strings"),
+    timeout = SECONDS,
+    ssl_verify = options.boolean,
+    server_name = NON_EMPTY,
+}
+
+
 -- true for an IPv4 or IPv6 literal: connecting to it needs no resolver
 local function is_ip(host)
     return find(host, ":", 1, true) ~= nil
@@ -92,74 +126,27 @@ end
 -- (seconds, default 60), pool_size (default 32), max_body (bytes, default
 -- 64 MiB)
 function _M.new(opts)
-    if type(opts) ~= "table" then
-        error("opts must be a table", 2)
-    end
-    for k in pairs(opts) do
-        if not OPTIONS[k] then
-            error("opts." .. tostring(k) .. ": unknown option", 2)
-        end
-    end
+    options.check(opts, RULES, 2)
     local scheme, host, port = opts.scheme or "http", opts.host, opts.port
     if opts.url ~= nil then
         scheme, host, port = _M.parse_url(opts.url)
-        if not scheme then
-            error("opts.url: " .. host, 2)
-        end
     end
-    if not DEFAULT_PORTS[scheme] then
-        error("opts.scheme must be \"http\" or \"https\"", 2)
-    end
-    if type(host) ~= "string" or host == "" then
-        error("opts.host must be a non-empty string", 2)
+    if host == nil then
+        error("opts.host is required", 2)
     end
     port = port or DEFAULT_PORTS[scheme]
-    if type(port) ~= "number" or not (port >= 1 and port <= 65535)
-       or port % 1 ~= 0
-    then
-        error("opts.port must be a port number", 2)
-    end
-    local function secs(name, default)
-        local v = opts[name]
-        if v == nil then
-            return default
-        end
-        if type(v) ~= "number" or not (v > 0 and v <= MAX_SECONDS) then
-            error("opts." .. name .. " must be a number of seconds above 0 "
-                  .. "and at most " .. MAX_SECONDS, 3)
-        end
-        return v
-    end
-    local connect_timeout = secs("connect_timeout", 5)
-    local send_timeout = secs("send_timeout", 5)
-    local read_timeout = secs("read_timeout", 5)
-    local timeout = secs("timeout",
-                         connect_timeout + send_timeout + read_timeout)
+    local connect_timeout = opts.connect_timeout or 5
+    local send_timeout = opts.send_timeout or 5
+    local read_timeout = opts.read_timeout or 5
+    local timeout = opts.timeout
+                    or connect_timeout + send_timeout + read_timeout
     local ssl_verify = opts.ssl_verify
-    if ssl_verify ~= nil and type(ssl_verify) ~= "boolean" then
-        error("opts.ssl_verify must be a boolean", 2)
-    end
     if ssl_verify == nil then
         ssl_verify = true
     end
     local pool_size = opts.pool_size or 32
-    if type(pool_size) ~= "number" or not (pool_size >= 1
-                                           and pool_size <= 100000)
-       or pool_size % 1 ~= 0
-    then
-        error("opts.pool_size must be a whole number from 1 to 100000", 2)
-    end
     local max_body = opts.max_body or DEFAULT_MAX_BODY
-    if type(max_body) ~= "number" or not (max_body >= 0 and max_body <= 2^40)
-    then
-        error("opts.max_body must be a number of bytes from 0 to 2^40", 2)
-    end
     local server_name = opts.server_name
-    if server_name ~= nil and (type(server_name) ~= "string"
-                               or server_name == "")
-    then
-        error("opts.server_name must be a non-empty string", 2)
-    end
     if server_name == nil and scheme == "https" then
         server_name = host
     end
@@ -186,7 +173,7 @@ function _M.new(opts)
         send_timeout = send_timeout * 1000,
         read_timeout = read_timeout * 1000,
         timeout = timeout,
-        keepalive_timeout = secs("keepalive_timeout", 60) * 1000,
+        keepalive_timeout = (opts.keepalive_timeout or 60) * 1000,
         pool_size = pool_size,
         max_body = max_body,
         pool_opts = { pool = concat({ scheme, host, tostring(port),
@@ -589,6 +576,7 @@ end
 -- headers = ..., body = ..., ssl_verify = ..., timeout = ... })
 function _M.request_uri(url, params)
     params = params or {}
+    options.check(params, URI_RULES, 2)
     local scheme, host, port, path = _M.parse_url(url)
     if not scheme then
         return nil, host

@@ -7,6 +7,7 @@
 
 local ffi = require "ffi"
 local base = require "resty.core.base"
+local options = require "resty.loom.opts"
 local yield = require("resty.loom.yield").yield
 require "resty.core.phase"
 require "ngx.semaphore"     -- declares ngx_http_lua_sema_t and its FFI
@@ -41,7 +42,6 @@ local tostring = tostring
 local setmetatable = setmetatable
 local str_find = string.find
 local pcall = pcall
-local pairs = pairs
 local math_floor = math.floor
 
 
@@ -132,17 +132,23 @@ local DEFAULT_RECLAIM = 60
 -- ngx.semaphore waits take an int of milliseconds: about 24.8 days
 local MAX_TIMEOUT = 2e6
 
--- option: { default, min, max, integer }; min is exclusive when 0 is
--- not allowed (see check_number)
-local LOAD_OPTS = {
-    threads = { DEFAULT_THREADS, 1, 1024, true },
-    queue = { DEFAULT_QUEUE, 1, 1e8, true },
-    timeout = { DEFAULT_TIMEOUT, 0.001, MAX_TIMEOUT },
-    grace = { DEFAULT_GRACE, 0, 86400 },
-    spin_us = { DEFAULT_SPIN_US, 0, 1e6, true },
-    poll_us = { DEFAULT_POLL_US, 0, 1e6, true },
-    reclaim = { DEFAULT_RECLAIM, 0.001, MAX_TIMEOUT },
-    global = false,
+-- the options of load() and call()
+local LOAD_RULES = {
+    threads = options.whole(1, 1024),
+    queue = options.whole(1, 1e8),
+    timeout = options.number(0.001, MAX_TIMEOUT),       -- s
+    grace = options.number(0, 86400),                   -- s
+    spin_us = options.whole(0, 1e6),
+    poll_us = options.whole(0, 1e6),
+    reclaim = options.number(0.001, MAX_TIMEOUT),       -- s
+    global = options.boolean,
+}
+
+local CALL_RULES = {
+    timeout = options.above(0, MAX_TIMEOUT),            -- s
+    into = options.test(function(v)
+        return BUFFER_MT ~= nil and getmetatable(v) == BUFFER_MT
+    end, "a string.buffer"),
 }
 
 local STATES = { [0] = "starting", "ready", "failed", "closed" }
@@ -196,26 +202,6 @@ local function resolve_path(name)
 end
 
 
-local function check_number(opts, key, spec)
-    local v = opts[key]
-    if v == nil then
-        return spec[1]
-    end
-
-    local min, max, int = spec[2], spec[3], spec[4]
-
-    -- NaN fails every comparison: written so that it is refused
-    if type(v) ~= "number" or not (v >= min and v <= max)
-       or (int and v ~= math_floor(v))
-    then
-        error("opts." .. key .. " must be " .. (int and "an integer" or
-              "a number") .. " from " .. min .. " to " .. max, 3)
-    end
-
-    return v
-end
-
-
 local _M = { _VERSION = "0.2.0" }
 local mt = { __index = _M }
 
@@ -230,30 +216,20 @@ function _M.load(name, config, opts)
     end
 
     -- nil or false: no options (`t and { timeout = t }` is common)
-    if opts and type(opts) ~= "table" then
-        error("opts must be a table", 2)
+    if opts then
+        options.check(opts, LOAD_RULES, 2)
     end
 
     config = config or ""
     opts = opts or {}
 
-    for k in pairs(opts) do
-        if LOAD_OPTS[k] == nil then
-            error("opts." .. tostring(k) .. ": unknown option", 2)
-        end
-    end
-
-    local threads = check_number(opts, "threads", LOAD_OPTS.threads)
-    local queue = check_number(opts, "queue", LOAD_OPTS.queue)
-    local timeout = check_number(opts, "timeout", LOAD_OPTS.timeout)
-    local grace = check_number(opts, "grace", LOAD_OPTS.grace)
-    local spin_us = check_number(opts, "spin_us", LOAD_OPTS.spin_us)
-    local poll_us = check_number(opts, "poll_us", LOAD_OPTS.poll_us)
-    local reclaim = check_number(opts, "reclaim", LOAD_OPTS.reclaim)
-
-    if opts.global ~= nil and type(opts.global) ~= "boolean" then
-        error("opts.global must be a boolean", 2)
-    end
+    local threads = opts.threads or DEFAULT_THREADS
+    local queue = opts.queue or DEFAULT_QUEUE
+    local timeout = opts.timeout or DEFAULT_TIMEOUT
+    local grace = opts.grace or DEFAULT_GRACE
+    local spin_us = opts.spin_us or DEFAULT_SPIN_US
+    local poll_us = opts.poll_us or DEFAULT_POLL_US
+    local reclaim = opts.reclaim or DEFAULT_RECLAIM
 
     if ngx_get_phase() == "init" then
         error("runtimes are loaded per worker: call offload.load() in "
@@ -323,8 +299,8 @@ function _M.call(self, payload, opts, named_opts)
     end
 
     -- nil or false: no options (`t and { timeout = t }` is common)
-    if opts and type(opts) ~= "table" then
-        error("opts must be a table", 2)
+    if opts then
+        options.check(opts, CALL_RULES, 2)
     end
 
     local phase = ngx_get_phase()
@@ -340,13 +316,6 @@ function _M.call(self, payload, opts, named_opts)
     if opts then
         local t = opts.timeout
         if t then
-            -- NaN fails every comparison: written so that it is refused
-            if type(t) ~= "number" or not (t > 0 and t <= MAX_TIMEOUT)
-            then
-                error("opts.timeout must be a number > 0 and <= "
-                      .. MAX_TIMEOUT, 2)
-            end
-
             timeout_ms = math_floor(t * 1000 + 0.5)
             if timeout_ms < 1 then
                 timeout_ms = 1
@@ -354,10 +323,6 @@ function _M.call(self, payload, opts, named_opts)
         end
 
         into = opts.into
-        if into ~= nil and (not BUFFER_MT or getmetatable(into) ~= BUFFER_MT)
-        then
-            error("opts.into must be a string.buffer", 2)
-        end
     end
 
     local data, len
