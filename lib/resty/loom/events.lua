@@ -18,6 +18,7 @@ local client = require "resty.loom.events.client"
 local exit = require "resty.loom.events.exit"
 local evlog = require "resty.loom.events.log"
 local histogram = require "resty.loom.histogram"
+local options = require "resty.loom.opts"
 local yield = require("resty.loom.yield").yield
 
 local unique_target = broker.unique_target
@@ -70,6 +71,7 @@ local BACKLOG = 10000
 local MAX_EVENTS = 100000000
 local MAX_BYTES = 2 ^ 40
 local MAX_SECONDS = 86400
+local MAX_WORKER = 1023            -- nginx runs at most 1024 workers
 local UNIQUE_KEY_MAX = frame.KEY_MAX
 -- queue bytes the largest event takes beyond its body: event header, the
 -- longest unique key, each frame's header and trailer (256 frames at most)
@@ -101,7 +103,42 @@ local DEFAULTS = {
     exit_timeout = 3,
 }
 
-local OVERFLOW = { reject = true, drop_oldest = true, wait = true }
+
+-- an absolute path shorter than 108 bytes (a UNIX socket's longest),
+-- "unix:" first or not
+local function socket_path(v)
+    if type(v) ~= "string" then
+        return false
+    end
+    if str_sub(v, 1, 5) == "unix:" then
+        v = str_sub(v, 6)
+    end
+    return str_byte(v, 1) == 47 and #v < 108
+end
+
+-- (seconds: from 1 ms, as nginx's timers count whole milliseconds)
+local function seconds(lo)
+    return options.number(lo, MAX_SECONDS)
+end
+
+local RULES = {
+    socket = options.test(socket_path,
+                          "an absolute path shorter than 108 bytes"),
+    broker = options.whole(0, MAX_WORKER),
+    max_queue = options.whole(1, MAX_EVENTS),
+    max_queue_bytes = options.whole(1024, MAX_BYTES),
+    max_backlog = options.or_value(options.whole(1, MAX_EVENTS), false,
+                                   "false"),
+    max_payload = options.whole(1, MAX_PAYLOAD_LIMIT),
+    overflow = options.one_of("reject", "drop_oldest", "wait"),
+    wait_timeout = seconds(0.001),
+    privileged_agent = options.boolean,
+    unique_window = seconds(0.001),
+    heartbeat = seconds(0.01),
+    slow_timeout = options.or_value(seconds(0.001), false, "false"),
+    exit_timeout = seconds(0.001),
+}
+
 local WEAK_VALUES = { __mode = "v" }
 
 
@@ -143,72 +180,25 @@ local default_bus
 
 
 local function check_opts(opts)
-    if type(opts) ~= "table" then
-        error("opts must be a table", 3)
+    options.check(opts, RULES, 3)
+    if opts.socket == nil then
+        error("opts.socket is required", 3)
     end
     local o = {}
     for k, v in pairs(DEFAULTS) do
         o[k] = v
     end
     for k, v in pairs(opts) do
-        if DEFAULTS[k] == nil and k ~= "socket" then
-            error("opts." .. tostring(k) .. " is not a known option", 3)
-        end
         o[k] = v
     end
-
-    local path = o.socket
-    if type(path) ~= "string" then
-        error("opts.socket must be a string (the path of the bus's "
-              .. "UNIX socket)", 3)
+    if str_sub(o.socket, 1, 5) == "unix:" then
+        o.socket = str_sub(o.socket, 6)
     end
-    if str_sub(path, 1, 5) == "unix:" then
-        path = str_sub(path, 6)
-    end
-    if str_byte(path, 1) ~= 47 or #path >= 108 then
-        error("opts.socket must be an absolute path shorter than 108 "
-              .. "bytes", 3)
-    end
-    o.socket = path
-
-    local function int(name, lo, hi)
-        local v = o[name]
-        if type(v) ~= "number" or v % 1 ~= 0 or v < lo or (hi and v > hi) then
-            error("opts." .. name .. " must be an integer >= " .. lo
-                  .. (hi and (" and <= " .. hi) or ""), 4)
-        end
-    end
-    -- (seconds: nginx's timers count whole milliseconds; NaN compares
-    -- false with everything, so it fails "lo <= v")
-    local function seconds(name, lo)
-        local v = o[name]
-        if type(v) ~= "number" or not (lo <= v and v <= MAX_SECONDS) then
-            error("opts." .. name .. " must be a number >= " .. lo
-                  .. " and <= " .. MAX_SECONDS .. " (seconds)", 4)
-        end
-    end
-
     if not o.slow_timeout then
-        o.slow_timeout = 2 * (tonumber(o.heartbeat) or 1)
+        o.slow_timeout = 2 * o.heartbeat
     end
-    int("broker", 0)
-    int("max_queue", 1, MAX_EVENTS)
     if not o.max_backlog then
         o.max_backlog = min(o.max_queue, BACKLOG)
-    end
-    int("max_backlog", 1, MAX_EVENTS)
-    int("max_queue_bytes", 1024, MAX_BYTES)
-    int("max_payload", 1, MAX_PAYLOAD_LIMIT)
-    seconds("wait_timeout", 0.001)
-    seconds("unique_window", 0.001)
-    seconds("heartbeat", 0.01)
-    seconds("slow_timeout", 0.001)
-    seconds("exit_timeout", 0.001)
-    if not OVERFLOW[o.overflow] then
-        error('opts.overflow must be "reject", "drop_oldest" or "wait"', 3)
-    end
-    if type(o.privileged_agent) ~= "boolean" then
-        error("opts.privileged_agent must be a boolean", 3)
     end
     if o.slow_timeout >= 3 * o.heartbeat then
         -- a broker waiting that long would miss its peers' heartbeats
