@@ -335,6 +335,11 @@ VALIDATION = """
             { socket = "/tmp/x.sock", heartbeat = 0/0 },
             { socket = "/tmp/x.sock", exit_timeout = math.huge },
             { socket = "/tmp/x.sock", unique_window = 1e308 },
+            { heartbeat = 1 },
+            { socket = "/tmp/x.sock", heartbeat = 1, slow_timeout = 3 },
+            { socket = "/tmp/x.sock", broker = 1024 },
+            { socket = ngx.config.prefix() .. "sock/bus.sock",
+              slow_timeout = false, max_backlog = false },
         }
         local errs = {}
         for i, opts in ipairs(cases) do
@@ -374,25 +379,31 @@ def test_option_validation_and_unsubscribe(nginx):
         } }
     """)
     errs = n.get("/errs").text.strip().split("\n")
-    expect = ["opts.socket must be a string",
+    expect = ["opts.socket must be an absolute path shorter than 108 bytes",
               "opts.socket must be an absolute path",
               "opts.socket must be an absolute path",
-              "opts.broker must be an integer >= 0",
-              "opts.max_queue must be an integer >= 1",
-              "opts.max_payload must be an integer >= 1 and <= 67108864",
+              "opts.broker must be a whole number from 0 to 1023",
+              "opts.max_queue must be a whole number from 1 to 100000000",
+              "opts.max_payload must be a whole number from 1 to 67108864",
               'opts.overflow must be "reject", "drop_oldest" or "wait"',
               "opts.privileged_agent must be a boolean",
-              "opts.heartbeat must be a number >= 0.01 and <= 86400",
-              "opts.wait_timeout must be a number >= 0.001 and <= 86400",
+              "opts.heartbeat must be a number from 0.01 to 86400",
+              "opts.wait_timeout must be a number from 0.001 to 86400",
               "opts.max_queue_bytes must be at least opts.max_payload + 8192",
-              "opts.bogus is not a known option",
+              "opts.bogus is not an option",
               "opts must be a table",
-              "opts.max_backlog must be an integer >= 1",
-              "opts.max_backlog must be an integer >= 1",
-              "opts.max_queue must be an integer >= 1 and <= 100000000",
-              "opts.heartbeat must be a number >= 0.01 and <= 86400",
-              "opts.exit_timeout must be a number >= 0.001 and <= 86400",
-              "opts.unique_window must be a number >= 0.001 and <= 86400"]
+              "opts.max_backlog must be a whole number from 1 to 100000000, "
+              "or false",
+              "opts.max_backlog must be a whole number from 1 to 100000000, "
+              "or false",
+              "opts.max_queue must be a whole number from 1 to 100000000",
+              "opts.heartbeat must be a number from 0.01 to 86400",
+              "opts.exit_timeout must be a number from 0.001 to 86400",
+              "opts.unique_window must be a number from 0.001 to 86400",
+              "opts.socket is required",
+              "opts.slow_timeout must be less than 3 * opts.heartbeat",
+              "opts.broker must be a whole number from 0 to 1023",
+              "accepted"]
     assert len(errs) == len(expect)
     for got, want in zip(errs, expect):
         assert want in got, (got, want)

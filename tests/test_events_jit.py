@@ -22,7 +22,10 @@ location /jit { content_by_lua_block {
 } }
 """
 
-OURS = re.compile(r"(events|frame|fifo|broker(_\w+)?|histogram)\.lua")
+# (jit.v names a file by its base name: the bus's are events.lua and those
+# in events/)
+OURS = re.compile(r"\b(events|frame|fifo|broker(_\w+)?|histogram|dispatch|"
+                  r"own|receive|client|lane|collect|exit|handshake|log)\.lua")
 BAD = re.compile(r"NYI: (bytecode|FastFunc|unsupported|C function)")
 
 

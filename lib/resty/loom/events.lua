@@ -11,59 +11,51 @@ local frame = require "resty.loom.events.frame"
 local fifo = require "resty.loom.events.fifo"
 local ring = require "resty.loom.events.ring"
 local broker = require "resty.loom.events.broker"
+local dispatch = require "resty.loom.events.dispatch"
+local own = require "resty.loom.events.own"
+local collect = require "resty.loom.events.collect"
+local client = require "resty.loom.events.client"
+local exit = require "resty.loom.events.exit"
+local evlog = require "resty.loom.events.log"
 local histogram = require "resty.loom.histogram"
-local at_close = require "resty.loom.at_close"
+local options = require "resty.loom.opts"
 local yield = require("resty.loom.yield").yield
-local on_error = require("resty.loom.error_handler").handler
-local get_request = require("resty.core.base").get_request
 
 local unique_target = broker.unique_target
 
 local C = ffi.C
-local frame_seq = frame.seq
 local ngx = ngx
-local ngx_log = ngx.log
 local ngx_now = ngx.now
-local ngx_sleep = ngx.sleep
 local get_phase = ngx.get_phase
 local timer_at = ngx.timer.at
-local spawn = ngx.thread.spawn
-local kill = ngx.thread.kill
-local worker_exiting = ngx.worker.exiting
 local buf_new = buffer.new
 local type = type
 local error = error
 local pairs = pairs
 local ipairs = ipairs
-local xpcall = xpcall
+local pcall = pcall
 local tostring = tostring
 local tonumber = tonumber
 local setmetatable = setmetatable
 local getinfo = debug.getinfo
 local str_sub = string.sub
 local str_byte = string.byte
-local random = math.random
 local min = math.min
 local max = math.max
 local huge = math.huge
 local co_running = coroutine.running
+local warn_once = evlog.warn_once
+local mono = dispatch.mono
+local inbox_len = dispatch.inbox_len
+local inbox_push = dispatch.inbox_push
+local dispatch_next = dispatch.dispatch_next
+local handler_loop = dispatch.handler_loop
+local hand_own = own.hand_own
+local own_unique = own.own_unique
+local release_own = own.release_own
+local client_loop = client.client_loop
+local exit_watch = exit.exit_watch
 
-local ALERT = ngx.ALERT
-local ERR = ngx.ERR
-local WARN = ngx.WARN
-
-local T_WELCOME = frame.WELCOME
-local T_EVENT = frame.EVENT
-local T_ACK = frame.ACK
-local T_PING = frame.PING
-local T_PONG = frame.PONG
-local T_REJECT = frame.REJECT
-local T_HELLO = frame.HELLO
-local T_BYE = frame.BYE
-local T_URGENT = frame.URGENT
-local T_OWN_RUN = frame.OWN_RUN
-local T_OWN_SKIP = frame.OWN_SKIP
-local FRAME_SIZE = frame.FRAME_SIZE
 local EVENT_SIZE = frame.EVENT_SIZE
 local ALL = frame.ALL
 local OTHERS = frame.OTHERS
@@ -71,23 +63,6 @@ local UNIQUE = frame.UNIQUE
 local AGENT = frame.AGENT
 local LOCAL = -100                  -- "current": never leaves the worker
 
-local INTERNAL = "loom.bus"         -- source of the bus's own events
-local READ_SIZE = frame.READ_SIZE
-local YIELD_BYTES = frame.YIELD_BYTES
-local WRITE_MAX = frame.WRITE_MAX
-local EXACT_MIN = frame.EXACT_MIN
-local CHUNK = frame.CHUNK
-local SLICE = 256                   -- events handled between yields
--- the broker keeps the events it wrote to a worker until the worker
--- confirms them: every ACK_EVERY events, else ACK_DELAY s after the last
-local ACK_EVERY = 256
-local ACK_DELAY = 0.01
-local CONNECT_TIMEOUT = 2
-local SEND_TIMEOUT = 30
-local LOG_INTERVAL = 10
--- an exiting worker's bus stays up until this long after its last publish
--- (its requests and timers may go on publishing for a while)
-local EXIT_QUIET = 0.5
 local MAX_PAYLOAD_LIMIT = 64 * 1024 * 1024
 -- default bound of the events waiting for one subscriber, in its inbox and
 -- again at the broker: what a stalled handler leaves stale before drops
@@ -96,6 +71,7 @@ local BACKLOG = 10000
 local MAX_EVENTS = 100000000
 local MAX_BYTES = 2 ^ 40
 local MAX_SECONDS = 86400
+local MAX_WORKER = 1023            -- nginx runs at most 1024 workers
 local UNIQUE_KEY_MAX = frame.KEY_MAX
 -- queue bytes the largest event takes beyond its body: event header, the
 -- longest unique key, each frame's header and trailer (256 frames at most)
@@ -127,24 +103,54 @@ local DEFAULTS = {
     exit_timeout = 3,
 }
 
-local OVERFLOW = { reject = true, drop_oldest = true, wait = true }
+
+-- an absolute path shorter than 108 bytes (a UNIX socket's longest),
+-- "unix:" first or not
+local function socket_path(v)
+    if type(v) ~= "string" then
+        return false
+    end
+    if str_sub(v, 1, 5) == "unix:" then
+        v = str_sub(v, 6)
+    end
+    return str_byte(v, 1) == 47 and #v < 108
+end
+
+-- (seconds: from 1 ms, as nginx's timers count whole milliseconds)
+local function seconds(lo)
+    return options.number(lo, MAX_SECONDS)
+end
+
+local RULES = {
+    socket = options.test(socket_path,
+                          "an absolute path shorter than 108 bytes"),
+    broker = options.whole(0, MAX_WORKER),
+    max_queue = options.whole(1, MAX_EVENTS),
+    max_queue_bytes = options.whole(1024, MAX_BYTES),
+    max_backlog = options.or_value(options.whole(1, MAX_EVENTS), false,
+                                   "false"),
+    max_payload = options.whole(1, MAX_PAYLOAD_LIMIT),
+    overflow = options.one_of("reject", "drop_oldest", "wait"),
+    wait_timeout = seconds(0.001),
+    privileged_agent = options.boolean,
+    unique_window = seconds(0.001),
+    heartbeat = seconds(0.01),
+    slow_timeout = options.or_value(seconds(0.001), false, "false"),
+    exit_timeout = seconds(0.001),
+}
+
 local WEAK_VALUES = { __mode = "v" }
 
 
 ffi.cdef [[
-typedef struct { long tv_sec; long tv_nsec; } loom_timespec_t;
-int clock_gettime(int clk, loom_timespec_t *ts);
 long long ngx_loom_ffi_generation(void);
 int ngx_loom_ffi_pin_listener(const unsigned char *path, size_t len,
     int owner, int *matched, char **err);
 int ngx_loom_ffi_prepare_socket(const unsigned char *path, size_t len,
     char **err);
 long getrandom(void *buf, size_t len, unsigned int flags);
-int ngx_loom_ffi_connection_log_level(void *r, int level);
 ]]
 
-local CLOCK_MONOTONIC = 1
-local ts = ffi.new("loom_timespec_t")
 local errmsg = ffi.new("char *[1]")
 local matched = ffi.new("int[1]")
 
@@ -162,17 +168,6 @@ local function incarnation()
 end
 
 
-local function mono()
-    C.clock_gettime(CLOCK_MONOTONIC, ts)
-    return tonumber(ts.tv_sec) + tonumber(ts.tv_nsec) * 1e-9
-end
-
-
-local function log(level, ...)
-    ngx_log(level, "[loom.events] ", ...)
-end
-
-
 local function count(t, key, n)
     t[key] = (t[key] or 0) + (n or 1)
 end
@@ -182,78 +177,28 @@ local _M = { _VERSION = "0.2.0" }
 local mt = { __index = _M }
 
 local default_bus
-local collectors = {}
--- every bus of this process that init_worker() started, for exit_worker()
-local living = setmetatable({}, { __mode = "k" })
 
 
 local function check_opts(opts)
-    if type(opts) ~= "table" then
-        error("opts must be a table", 3)
+    options.check(opts, RULES, 3)
+    if opts.socket == nil then
+        error("opts.socket is required", 3)
     end
     local o = {}
     for k, v in pairs(DEFAULTS) do
         o[k] = v
     end
     for k, v in pairs(opts) do
-        if DEFAULTS[k] == nil and k ~= "socket" then
-            error("opts." .. tostring(k) .. " is not a known option", 3)
-        end
         o[k] = v
     end
-
-    local path = o.socket
-    if type(path) ~= "string" then
-        error("opts.socket must be a string (the path of the bus's "
-              .. "UNIX socket)", 3)
+    if str_sub(o.socket, 1, 5) == "unix:" then
+        o.socket = str_sub(o.socket, 6)
     end
-    if str_sub(path, 1, 5) == "unix:" then
-        path = str_sub(path, 6)
-    end
-    if str_byte(path, 1) ~= 47 or #path >= 108 then
-        error("opts.socket must be an absolute path shorter than 108 "
-              .. "bytes", 3)
-    end
-    o.socket = path
-
-    local function int(name, lo, hi)
-        local v = o[name]
-        if type(v) ~= "number" or v % 1 ~= 0 or v < lo or (hi and v > hi) then
-            error("opts." .. name .. " must be an integer >= " .. lo
-                  .. (hi and (" and <= " .. hi) or ""), 4)
-        end
-    end
-    -- (seconds: nginx's timers count whole milliseconds; NaN compares
-    -- false with everything, so it fails "lo <= v")
-    local function seconds(name, lo)
-        local v = o[name]
-        if type(v) ~= "number" or not (lo <= v and v <= MAX_SECONDS) then
-            error("opts." .. name .. " must be a number >= " .. lo
-                  .. " and <= " .. MAX_SECONDS .. " (seconds)", 4)
-        end
-    end
-
     if not o.slow_timeout then
-        o.slow_timeout = 2 * (tonumber(o.heartbeat) or 1)
+        o.slow_timeout = 2 * o.heartbeat
     end
-    int("broker", 0)
-    int("max_queue", 1, MAX_EVENTS)
     if not o.max_backlog then
         o.max_backlog = min(o.max_queue, BACKLOG)
-    end
-    int("max_backlog", 1, MAX_EVENTS)
-    int("max_queue_bytes", 1024, MAX_BYTES)
-    int("max_payload", 1, MAX_PAYLOAD_LIMIT)
-    seconds("wait_timeout", 0.001)
-    seconds("unique_window", 0.001)
-    seconds("heartbeat", 0.01)
-    seconds("slow_timeout", 0.001)
-    seconds("exit_timeout", 0.001)
-    if not OVERFLOW[o.overflow] then
-        error('opts.overflow must be "reject", "drop_oldest" or "wait"', 3)
-    end
-    if type(o.privileged_agent) ~= "boolean" then
-        error("opts.privileged_agent must be a boolean", 3)
     end
     if o.slow_timeout >= 3 * o.heartbeat then
         -- a broker waiting that long would miss its peers' heartbeats
@@ -378,1074 +323,6 @@ function _M.get()
 end
 
 
-local function warn_once(self, what, ...)
-    local now = ngx_now()
-    if now - (self.last_warn[what] or 0) >= LOG_INTERVAL then
-        self.last_warn[what] = now
-        log(WARN, ...)
-    end
-end
-
-
--- inbox ------------------------------------------------------------------
-
-local function inbox_len(self)
-    return self.inbox:len()
-end
-
-
-local function inbox_push(self, source, event, data, wid, latency, pid)
-    self.inbox:push(source, event, data, wid, latency, pid)
-    if self.handler_idle then
-        self.handler_idle = false
-        self.isema:post(1)
-    end
-end
-
-
--- counts events of a publisher that never reached this worker, and tells
--- the gap hooks
-local function report_gap(self, publisher, pid, missing)
-    self.counters.gaps = self.counters.gaps + missing
-    warn_once(self, "gap", "gap: ", missing, " event(s) from worker ",
-              publisher, " (pid ", pid, ") missing; ", self.counters.gaps,
-              " so far")
-    for _, hook in ipairs(self.gap_hooks) do
-        local ok, err = xpcall(hook, on_error, publisher, missing)
-        if not ok then
-            log(ERR, "gap hook failed: ", err)
-        end
-    end
-end
-
-
--- a copy of our own event for our handlers: behind a unique event of
--- ours that waits for the broker's word, if any
-local function hand_own(self, source, event, data, at)
-    local held = self.held
-    if held.n > 0 then
-        held:push(false, source, event, data, at)
-    else
-        inbox_push(self, source, event, data, self.worker, at, self.pid)
-    end
-end
-
-
--- The broker's word on our unique event seq that lands on us: our
--- handlers run it or not, then the copies held behind it, up to the
--- next such event. (A word for no event held: the second answer to an
--- event re-sent after a reconnect.)
-local function own_unique(self, seq, run)
-    local held = self.held
-    if held.n == 0 or held:peek() ~= seq then
-        return
-    end
-    local _, source, event, data, at = held:pop()
-    if run then
-        inbox_push(self, source, event, data, self.worker, at, self.pid)
-    end
-    while held.n > 0 and not held:peek() do
-        _, source, event, data, at = held:pop()
-        inbox_push(self, source, event, data, self.worker, at, self.pid)
-    end
-end
-
-
--- The writer took events first..last for the broker, which sends "all"
--- events to the other workers only: our handlers get our copies now, in
--- publish order; a unique event of ours that lands on us waits for the
--- broker's word, and what follows it waits behind it. With everything
--- (nothing left unsent, or nothing ever to be taken: first > last),
--- every copy goes. A copy whose event was never taken was dropped by
--- drop_oldest: our handlers miss it like the others do. poll: copies of
--- events not taken yet go too, up to the first unique one.
-local function release_own(self, first, last, everything, poll)
-    local own = self.own
-    local dropped = 0
-    while own.n > 0 do
-        local key, source, event, data, at, unique = own:first()
-        if (not everything and key >= last + 1) or (poll and unique) then
-            break
-        end
-        own:pop()
-        if key % 1 ~= 0 or (key >= first and key <= last) then
-            if unique then
-                self.held:push(key, source, event, data, at)
-            else
-                hand_own(self, source, event, data, at)
-            end
-        elseif not unique then
-            dropped = dropped + 1
-        end
-    end
-    if dropped > 0 then
-        report_gap(self, self.worker, self.pid, dropped)
-    end
-end
-
-
--- the bus closed at exit: no word on our unique events will come (they
--- were not acknowledged: counted in dropped.exit); what they held runs
-local function release_held(self)
-    local held = self.held
-    while held.n > 0 do
-        own_unique(self, held:peek(), false)
-    end
-end
-
-
--- dispatch ---------------------------------------------------------------
-
-local function run_handler(self, sub, data, event, source, wid, pid)
-    self.counters.handler_calls = self.counters.handler_calls + 1
-    local ok, err = xpcall(sub.fn, on_error, data, event, source, wid, pid)
-    if not ok then
-        self.counters.handler_errors = self.counters.handler_errors + 1
-        log(ERR, "handler for source=", source, " event=", event,
-            " (subscribed at ", sub.site, ") failed: ", err)
-    end
-end
-
-
-local send_urgent
-
-local function handle_internal(self, event, data, wid)
-    if event == "collect" then
-        local fn = collectors[data.name]
-        local ok, value
-        if fn then
-            ok, value = xpcall(fn, on_error)
-            if not ok then
-                log(ERR, "collector ", data.name, " failed: ", value)
-                value = nil
-            end
-        end
-        local err
-        ok, err = pcall(send_urgent, self, wid, "collected",
-                        { id = data.id, worker = self.worker,
-                          value = value })
-        if not ok then
-            log(ERR, "failed to answer collect(\"", data.name, "\"): ",
-                err)
-        end
-
-    elseif event == "collected" then
-        local pend = self.collecting and self.collecting[data.id]
-        if pend then
-            pend.results[tostring(data.worker)] = data.value or ngx.null
-            pend.n = pend.n + 1
-            pend.sema:post(1)
-        end
-    end
-end
-
-
--- collect's requests and answers are urgent events (see frame.lua): sent
--- ahead of what is queued and handled on arrival, so that a bus full of
--- events (a feedback loop, a slow handler) still answers. An answer too
--- large for one frame takes the ordinary way. To this worker (or "all"):
--- handled here as well. Raises when data cannot be serialised.
-function send_urgent(self, target, event, data)
-    local size = frame.encode_body(INTERNAL, event, data)
-    if size + EVENT_SIZE > CHUNK then
-        local ok, err = self:publish(target == ALL and "all"
-                                     or target == AGENT and "agent"
-                                     or target, INTERNAL, event, data)
-        if not ok then
-            log(ERR, "failed to send ", event, ": ", err)
-        end
-        return
-    end
-    local link = self.local_link
-    if target ~= self.worker and link then
-        -- the broker worker: straight to the broker (its writer may be
-        -- waiting there for room, with a batch of events)
-        local out = buf_new(256)
-        frame.put_urgent(out, target, self.worker, self.pid,
-                         self.incarnation)
-        local ok, err = broker.take_local(self, link, out)
-        if not ok then
-            log(ERR, "failed to hand an urgent event to the broker: ", err)
-        end
-    elseif target ~= self.worker then
-        frame.put_urgent(self.urgent, target, self.worker, self.pid,
-                         self.incarnation)
-        local lane = self.lane
-        if lane then
-            lane.sema:post(1)
-        elseif self.writer_idle then
-            self.writer_idle = false
-            self.wsema:post(1)
-        end
-    end
-    if target == ALL or target == self.worker then
-        handle_internal(self, event, data, self.worker)
-    end
-end
-
-
-local function receive_urgent(self, p, len)
-    local e, why = frame.check_event(p, len)
-    if not e then
-        return nil, why
-    end
-    local ok, source, event, data = pcall(frame.decode_body, p + EVENT_SIZE,
-                                          e.body_len)
-    if not ok or source ~= INTERNAL or type(data) ~= "table" then
-        return nil, "bad urgent event"
-    end
-    handle_internal(self, event, data, e.publisher)
-    return true
-end
-
-
-local function dispatch(self, source, event, data, wid, pid)
-    if source == INTERNAL then
-        return handle_internal(self, event, data, wid)
-    end
-    self.counters.delivered = self.counters.delivered + 1
-    -- registration order, across wildcard and exact subscriptions
-    local list = self.sub_list
-    for i = 1, #list do
-        local sub = list[i]
-        if not sub.removed
-           and (sub.source == "*" or sub.source == source)
-           and (sub.event == "*" or sub.event == event) then
-            run_handler(self, sub, data, event, source, wid, pid)
-        end
-    end
-end
-
-
--- runs the handlers of the next event in the inbox in coroutine me (the
--- caller's: coroutine.running() would stitch the trace); false when empty
-local function dispatch_next(self, me)
-    local source, event, data, wid, latency, pid = self.inbox:pop()
-    if not source then
-        return false
-    end
-    if latency and latency > 0 then
-        self.latency:record(mono() - latency)
-    end
-    if self.rwaiters > 0 then
-        self.rspace:post(1)
-    end
-    local d = self.dispatch
-    d[1], d.waiting = me, false
-    d.source, d.event = source, event
-    dispatch(self, source, event, data, wid, pid)
-    d[1] = nil
-    return true
-end
-
-
-local function handler_loop(premature, self)
-    if premature then
-        return
-    end
-    local run = 0
-    local me = co_running()
-    while true do
-        if self.dispatch[1] then
-            -- poll() runs handlers in a request: one event at a time, so
-            -- wait (whoever pushes next wakes us)
-            self.handler_idle = true
-            self.isema:wait(1)
-            self.handler_idle = false
-        elseif dispatch_next(self, me) then
-            run = run + 1
-            if run >= SLICE then
-                -- let requests in between long runs of handlers
-                run = 0
-                yield()
-            end
-        else
-            -- (only once the bus closed: until then events keep coming,
-            -- "current" ones even while the broker cannot be reached)
-            if self.stopping and not self.connected then
-                return
-            end
-            run = 0
-            self.handler_idle = true
-            self.isema:wait(1)
-            self.handler_idle = false
-        end
-    end
-end
-
-
--- receiving --------------------------------------------------------------
-
--- bookkeeping of one publisher's sequence numbers: drops duplicates (a
--- re-send after a broker restart) and counts gaps
-local function accept_seq(self, e, seq)
-    local pid = e.pid
-    local inc = e.incarnation
-    local last = self.last_seq[inc]
-    if last and seq <= last then
-        self.counters.duplicates = self.counters.duplicates + 1
-        return false
-    end
-    self.last_seq[inc] = seq
-
-    local target = e.target
-    local stream = e.stream_seq
-    if stream > 0 then
-        local book = target == ALL and self.last_all
-                     or target == OTHERS and self.last_others
-                     or self.last_direct
-        local prev = book[inc]
-        book[inc] = stream
-        if prev and stream > prev + 1 then
-            report_gap(self, e.publisher, pid, stream - prev - 1)
-        end
-    end
-    return true
-end
-
-
-local function receive_event(self, seq, p, len)
-    local e, why = frame.check_event(p, len)
-    if not e then
-        return nil, why
-    end
-    local off = EVENT_SIZE + e.key_len
-    if not accept_seq(self, e, seq) then
-        return true
-    end
-    local ok, source, event, data = pcall(frame.decode_body, p + off,
-                                          e.body_len)
-    if not ok then
-        return nil, "undecodable event"
-    end
-    inbox_push(self, source, event, data, e.publisher, e.published_at, e.pid)
-    return true
-end
-
-
--- n events left the queue: as many publishers waiting for room may go on
--- (the semaphore counts its waiters, also when one is killed)
-local function wake_publishers(self, n)
-    local waiting = -self.space:count()
-    if waiting > 0 then
-        self.space:post(min(n, waiting))
-    end
-end
-
-
-local function on_ack(self, seq)
-    local q = self.unacked_q
-    local freed = 0
-    while true do
-        local s, bytes = q:peek()
-        if not s or s > seq then
-            break
-        end
-        q:pop()
-        self.unacked:skip(bytes)
-        self.pending = self.pending - 1
-        self.pending_bytes = self.pending_bytes - bytes
-        freed = freed + 1
-    end
-    if freed > 0 then
-        wake_publishers(self, freed)
-    end
-end
-
-
--- Handles the whole frames at the front of rbuf (st collects a chunked
--- event across calls). Returns the bytes still missing of the next frame
--- (0: unknown), or nil and what was wrong.
-local function consume(self, rbuf, st)
-    local max_payload = self.opts.max_payload
-    while true do
-        local h, pp, size = frame.peek(rbuf, CHUNK)
-        if h == nil then
-            return pp
-        end
-        if h == false then
-            return nil, pp
-        end
-        local typ = h.type
-        local ok, err
-        if typ == T_EVENT then
-            local seq = frame_seq(h)
-            local p, len = frame.collect(st, seq, h, pp, max_payload)
-            if p == false then
-                return nil, len
-            end
-            ok = true
-            if p then
-                ok, err = receive_event(self, seq, p, len)
-                st.partial = nil
-                st.got = st.got + 1
-            end
-            if not ok then
-                return nil, err
-            end
-
-        elseif typ == T_ACK then
-            on_ack(self, frame_seq(h))
-
-        elseif typ == T_OWN_RUN or typ == T_OWN_SKIP then
-            own_unique(self, frame_seq(h), typ == T_OWN_RUN)
-
-        elseif typ == T_URGENT then
-            ok, err = receive_urgent(self, pp, h.len)
-            if not ok then
-                return nil, err
-            end
-
-        elseif typ == T_REJECT then
-            local _, reason = pcall(frame.decode_control, pp, h.len)
-            return nil, "rejected by the broker: " .. tostring(reason)
-
-        elseif typ ~= T_PONG then
-            -- (a pong needs nothing: arriving resets the read timeout,
-            -- which is the heartbeat)
-            return nil, "unexpected frame type " .. tostring(typ)
-        end
-        rbuf:skip(size)
-    end
-end
-
-
--- back-pressure: no more events while the handlers are behind, unless a
--- handler waits for room to publish (see make_room)
-local function wait_inbox_room(self, link)
-    local d = self.dispatch
-    while inbox_len(self) >= self.opts.max_backlog and not link.closed
-          and not (d.waiting and d[1]) do
-        self.rwaiters = self.rwaiters + 1
-        self.rspace:wait(1)
-        self.rwaiters = self.rwaiters - 1
-    end
-end
-
-
-local function reader(self, sock, link)
-    local rbuf = buf_new(READ_SIZE)
-    local need = 0
-    local since_yield = 0
-    -- (the chunk being collected, and the events received: link.got)
-    local st = link
-    -- the broker answers our pings: silence this long means it is gone;
-    -- a send may wait longer while the broker is busy with a slow worker
-    sock:settimeouts(CONNECT_TIMEOUT * 1000, SEND_TIMEOUT * 1000,
-                     self.opts.heartbeat * 3000)
-
-    while true do
-        wait_inbox_room(self, link)
-
-        -- the rest of a frame, or what is there: see frame.lua for why
-        local data, err
-        if need > EXACT_MIN then
-            data, err = sock:receive(need)
-        else
-            data, err = sock:receiveany(READ_SIZE)
-        end
-        if link.error then
-            return nil, link.error
-        end
-        if not data then
-            return nil, err == "timeout" and "broker heartbeat timeout"
-                        or err
-        end
-        rbuf:put(data)
-        need, err = consume(self, rbuf, st)
-        if not need then
-            return nil, err
-        end
-        if link.got > link.acked then
-            -- the broker holds these until we confirm them: the writer
-            -- does within ACK_DELAY, or at once for a long run
-            if not link.since then
-                link.since = ngx_now()
-            end
-            if self.writer_idle
-               and (not link.short or link.got - link.acked >= ACK_EVERY) then
-                self.writer_idle = false
-                self.wsema:post(1)
-            end
-        end
-        since_yield = since_yield + #data
-        if since_yield >= YIELD_BYTES then
-            -- a long run of reads: let requests in
-            since_yield = 0
-            yield()
-        end
-    end
-end
-
-
--- sending ----------------------------------------------------------------
-
--- a header-only control frame
-local function control(typ, seq)
-    local out = buf_new(64)
-    frame.put_empty(out, typ, seq or 0)
-    return out:get()
-end
-
-
--- sends on the connection; a failure is kept on the link for the reader
-local function send(sock, link, data)
-    local ok, err = sock:send(data)
-    if not ok then
-        link.error = "failed to send: " .. err
-    end
-    return ok
-end
-
-
-local function writer(self, sock, link)
-    local last_send = ngx_now()
-    local hb = self.opts.heartbeat
-    while true do
-        if #self.unsent == 0 and (#self.urgent == 0 or self.lane) then
-            if self.stopping then
-                -- what we received goes confirmed: the broker counts
-                -- the rest as dropped for us
-                if not send(sock, link, control(T_ACK, link.got)
-                                        .. control(T_BYE)) then
-                    return nil, link.error
-                end
-                return true
-            end
-            self.writer_idle = true
-            -- events received and not confirmed yet: soon, in one frame
-            -- for all that come meanwhile
-            link.short = link.got > link.acked
-            self.wsema:wait(link.short and ACK_DELAY or hb / 2)
-            self.writer_idle = false
-        end
-        if link.closed then
-            return true
-        end
-        if #self.urgent > 0 and not self.lane then
-            -- (without a lane: behind the write under way)
-            if not send(sock, link, self.urgent:get()) then
-                return nil, link.error
-            end
-            last_send = ngx_now()
-        end
-        local got = link.got
-        if got > link.acked
-           and (#self.unsent == 0 or got - link.acked >= ACK_EVERY
-                or ngx_now() - (link.since or 0) >= ACK_DELAY) then
-            -- the broker keeps what it wrote to us until we confirm it:
-            -- when we have nothing else to send, after a long run, or
-            -- ACK_DELAY after the first unconfirmed event (not with every
-            -- write: a send each costs both sides)
-            if not send(sock, link, control(T_ACK, got)) then
-                return nil, link.error
-            end
-            link.acked = got
-            link.since = got < link.got and ngx_now() or nil
-            last_send = ngx_now()
-        end
-        if #self.unsent > 0 then
-            -- whole events, up to WRITE_MAX bytes per write; they stay in
-            -- unacked until the broker acknowledges them
-            local uq, aq = self.unsent_q, self.unacked_q
-            local take = 0
-            local first, last = uq:peek(), 0
-            while true do
-                local s, b = uq:peek()
-                if not s or (take > 0 and take + b > WRITE_MAX) then
-                    break
-                end
-                uq:pop()
-                aq:push(s, b)
-                take = take + b
-                last = s
-            end
-            local data = self.unsent:get(take)
-            self.unacked:put(data)
-            if self.own.n > 0 then
-                -- (a call with a loop in it would keep this loop from
-                -- being compiled, so only when there is something)
-                release_own(self, first, last, uq:len() == 0)
-            end
-            if not send(sock, link, data) then
-                return nil, link.error
-            end
-            last_send = ngx_now()
-        elseif ngx_now() - last_send >= hb / 2 then
-            if not send(sock, link, control(T_PING)) then
-                return nil, link.error
-            end
-            last_send = ngx_now()
-        end
-    end
-end
-
-
--- The broker worker's writer: hands all that is queued to the broker in
--- this process. Nothing waits for acknowledgement: what the broker holds
--- dies with this process, and so does its publisher.
-local function local_writer(self, link)
-    while true do
-        if #self.unsent == 0 then
-            if self.stopping or link.closed then
-                return true
-            end
-            self.writer_idle = true
-            self.wsema:wait(1)
-            self.writer_idle = false
-        end
-        if #self.unsent > 0 then
-            local uq = self.unsent_q
-            local first, n = uq:peek(), uq:len()
-            local bytes = #self.unsent
-            uq:clear()
-            -- publishes go on into the spare buffer while the broker takes
-            -- this one (it may wait for a slow worker)
-            local batch = self.unsent
-            self.unsent, self.spare = self.spare, batch
-            if self.own.n > 0 then
-                release_own(self, first, self.seq, true)
-            end
-            local ok, err = broker.take_local(self, link.conn, batch)
-            batch:reset()
-            if not ok then
-                -- frames we made ourselves: a bug, not a peer's fault
-                log(ERR, "failed to hand events to the broker: ", err)
-            end
-            self.pending = self.pending - n
-            self.pending_bytes = self.pending_bytes - bytes
-            wake_publishers(self, n)
-        end
-    end
-end
-
-
--- The broker worker talks to the broker without a socket.
-local function run_local(self)
-    local link = { closed = false }
-    local st = { got = 0 }
-    link.conn = broker.attach_local(self, function(batch)
-        wait_inbox_room(self, link)
-        local need, err = consume(self, batch, st)
-        if not need then
-            return nil, err
-        end
-        return true
-    end, function(p, len)
-        local ok, err = receive_urgent(self, p, len)
-        if not ok then
-            log(ERR, "failed to handle an urgent event: ", err)
-        end
-    end, function(seq, run)
-        own_unique(self, seq, run)
-    end)
-    self.local_link = link.conn
-    self.connected = true
-    self.ready = true
-    local_writer(self, link)
-    self.local_link = nil
-    link.closed = true
-    self.rspace:post(1)
-    broker.detach_local(self, link.conn)
-    self.connected = false
-end
-
-
--- after a reconnect, whatever the broker had not acknowledged goes again,
--- ahead of what was never sent
-local function requeue_unacked(self)
-    if #self.unacked == 0 then
-        return
-    end
-    local rest = self.unsent:get()
-    local merged = fifo.new()
-    self.unacked_q:move_to(merged)
-    self.unsent_q:move_to(merged)
-    self.unsent_q = merged
-    self.unsent:put(self.unacked:get())
-    self.unsent:put(rest)
-    self.unacked:reset()
-end
-
-
-local function talk(self, sock, lane)
-    local ok, err = sock:connect("unix:" .. self.opts.socket)
-    if not ok then
-        return nil, "failed to connect: " .. err
-    end
-    ok, err = sock:send("GET /loom/events HTTP/1.1\r\nHost: loom\r\n"
-                        .. "Upgrade: loom-events/1\r\n"
-                        .. "Connection: Upgrade\r\n\r\n")
-    if not ok then
-        return nil, "failed to send the upgrade: " .. err
-    end
-    local line
-    line, err = sock:receive("*l")
-    if not line then
-        return nil, "failed to read the upgrade response: " .. err
-    end
-    if str_sub(line, 1, 12) ~= "HTTP/1.1 101" then
-        return nil, "broker refused the upgrade: " .. line
-    end
-    repeat
-        line, err = sock:receive("*l")
-        if not line then
-            return nil, "failed to read the upgrade response: " .. err
-        end
-    until line == ""
-
-    local out = buf_new(256)
-    frame.put_control(out, T_HELLO, 0, {
-        version = frame.VERSION,
-        worker = self.worker,
-        pid = self.pid,
-        generation = self.generation,
-        lane = lane,
-    })
-    ok, err = sock:send(out:get())
-    if not ok then
-        return nil, "failed to send the hello: " .. err
-    end
-
-    local hdr
-    hdr, err = sock:receive(FRAME_SIZE)
-    if not hdr then
-        return nil, "no welcome: " .. err
-    end
-    local rbuf = buf_new()
-    rbuf:put(hdr)
-    local h = ffi.cast("loom_ev_frame_t *", (rbuf:ref()))
-    local len = h.len
-    local typ = h.type
-    if h.version ~= frame.VERSION or len > 4096 then
-        return nil, "bad welcome"
-    end
-    local rest
-    rest, err = sock:receive(len + frame.TRAILER_SIZE)
-    if not rest then
-        return nil, "no welcome: " .. err
-    end
-    local body = str_sub(rest, 1, len)
-    if typ == T_REJECT then
-        local _, reason = pcall(buffer.decode, body)
-        return nil, "rejected by the broker: " .. tostring(reason), reason
-    end
-    if typ ~= T_WELCOME then
-        return nil, "bad welcome"
-    end
-    return true
-end
-
-
--- Connects sock to the broker and says hello. A quit makes nginx log
--- what it does to a connection on its way: its master removes the socket
--- file as soon as it has told the workers to quit (a connect() to it then
--- is logged at [crit], ENOENT, whenever the client last saw the file),
--- and the kernel resets the connections still queued when the broker
--- closes its listener (a read then logs [error]). A worker starting (or
--- reconnecting) meanwhile finds no broker, which is no error: nginx's
--- own lines about the connection are held back until the broker welcomed
--- it (the caller's timer runs nothing else meanwhile, and its connection
--- has a log of its own), and the caller says what a failure means.
-local function handshake(self, sock, lane)
-    local r = get_request()
-    local level = r and C.ngx_loom_ffi_connection_log_level(r, ALERT)
-                  or -1
-    local ok, a, b, c = pcall(talk, self, sock, lane)
-    if level >= 0 then
-        C.ngx_loom_ffi_connection_log_level(r, level)
-    end
-    if not ok then
-        error(a, 0)
-    end
-    return a, b, c
-end
-
-
--- The lane: a second connection to the broker for urgent events only
--- (collect and its answers), which neither side ever stops reading, so
--- that they do not wait behind this worker's events in either direction
--- while a queue is full (see broker.lua). It lives as long as the
--- connection; without it urgent events take the connection.
-local function lane_reader(self, sock, lane)
-    local rbuf = buf_new(READ_SIZE)
-    local st = { got = 0 }
-    sock:settimeouts(CONNECT_TIMEOUT * 1000, SEND_TIMEOUT * 1000,
-                     self.opts.heartbeat * 3000)
-    while not lane.closed do
-        local data, err = sock:receiveany(READ_SIZE)
-        if not data then
-            lane.error = err
-            break
-        end
-        rbuf:put(data)
-        -- (the broker sends only urgent events and pongs here)
-        local need
-        need, err = consume(self, rbuf, st)
-        if not need or st.got > 0 then
-            lane.error = err or "events on the lane"
-            break
-        end
-    end
-    lane.closed = true
-    lane.sema:post(1)
-end
-
-
-local function run_lane(self, lane)
-    local sock = ngx.socket.tcp()
-    sock:settimeout(CONNECT_TIMEOUT * 1000)
-    local ok, err = handshake(self, sock, true)
-    if not ok then
-        sock:close()
-        if not lane.closed then
-            warn_once(self, "lane", "failed to open the lane (collect "
-                      .. "goes with the events): ", err)
-        end
-        return
-    end
-    local rt = spawn(lane_reader, self, sock, lane)
-    self.lane = lane
-    local hb = self.opts.heartbeat
-    local last_send = ngx_now()
-    while not lane.closed do
-        if #self.urgent == 0 then
-            lane.sema:wait(hb / 2)
-        end
-        if lane.closed then
-            break
-        end
-        local data
-        if #self.urgent > 0 then
-            data = self.urgent:get()
-        elseif ngx_now() - last_send >= hb / 2 then
-            -- the broker times a silent lane out like a connection
-            data = control(T_PING)
-        end
-        if data then
-            ok, err = sock:send(data)
-            if not ok then
-                lane.error = err
-                break
-            end
-            last_send = ngx_now()
-        end
-    end
-    self.lane = nil
-    lane.closed = true
-    kill(rt)
-    sock:close()
-    if lane.error and not self.stopping then
-        warn_once(self, "lane", "lost the lane (collect goes with the "
-                  .. "events): ", lane.error)
-    end
-    -- what is left goes with the events
-    self.wsema:post(1)
-end
-
-
--- The lane runs in a timer of its own, so that its handshake holds back
--- nginx's lines about its own connection only (see handshake).
-local function lane_timer(premature, self, lane)
-    if not premature then
-        local ok, err = pcall(run_lane, self, lane)
-        if not ok then
-            log(ERR, "the lane failed: ", err)
-        end
-    end
-    lane.ended = true
-    lane.done:post(1)
-end
-
-
-local function client_loop(premature, self)
-    if premature then
-        return
-    end
-    if self.worker == self.opts.broker then
-        run_local(self)
-        self.isema:post(1)
-        return
-    end
-    local backoff = 0.01
-    local first = true
-    while not self.stopping do
-        local sock = ngx.socket.tcp()
-        sock:settimeout(2000)
-        local ok, err, reason = handshake(self, sock)
-        if ok then
-            if not first then
-                self.counters.reconnects = self.counters.reconnects + 1
-            end
-            first = false
-            self.connected = true
-            self.ready = true
-            backoff = 0.01
-            requeue_unacked(self)
-            local link = { closed = false, error = nil, got = 0, acked = 0 }
-            local wt = spawn(writer, self, sock, link)
-            local lane = { closed = false, sema = semaphore.new(),
-                           ended = false, done = semaphore.new() }
-            local lane_started = timer_at(0, lane_timer, self, lane)
-            local rok, rerr = reader(self, sock, link)
-            link.closed = true
-            self.wsema:post(1)
-            lane.closed = true
-            lane.sema:post(1)
-            while lane_started and not lane.ended do
-                lane.done:wait(1)
-            end
-            -- a writer stuck in a send to a dead broker is stopped here;
-            -- what it was sending is still in unacked and goes again
-            kill(wt)
-            local wok, werr = not link.error, link.error
-            self.connected = false
-            sock:close()
-            if self.stopping then
-                break
-            end
-            if not rok or not wok then
-                log(WARN, "lost the broker: ", rerr or werr,
-                    "; reconnecting")
-            end
-        else
-            sock:close()
-            if reason then
-                self.counters.rejected = self.counters.rejected + 1
-            end
-            if reason == "other generation" then
-                -- an old worker during a reload: the old broker is gone
-                if worker_exiting() then
-                    break
-                end
-            elseif not worker_exiting() then
-                warn_once(self, "connect", "cannot reach the broker: ", err)
-            end
-            if worker_exiting() and self.pending == 0 then
-                break
-            end
-        end
-        if self.stopping then
-            break
-        end
-        ngx_sleep(backoff * (0.5 + random()))
-        backoff = min(backoff * 2, 1)
-    end
-    -- (only at exit: publishes from now on would never leave)
-    self.stopping = true
-    self.connected = false
-    release_held(self)
-    self.isema:post(1)
-end
-
-
--- At worker exit the bus stays up while the worker uses it: until
--- EXIT_QUIET s after its last publish, everything sent and acknowledged,
--- every handler run, and (on the broker worker) every other worker gone.
--- Then it says goodbye and publish() returns "closed". Waiting on
--- something that makes no progress (an unreachable broker, a handler
--- stuck) ends exit_timeout s after the last publish; what is left then is
--- counted and logged.
-local function exit_watch(premature, self)
-    if not premature then
-        return
-    end
-    local timeout = self.opts.exit_timeout
-    local is_broker = self.worker == self.opts.broker
-    local since = ngx_now()     -- the worker's last use of the bus
-    while true do
-        ngx.update_time()
-        local now = ngx_now()
-        local peers = is_broker and broker.peers(self) > 0
-        if peers or self.last_publish > since then
-            since = peers and now or self.last_publish
-        end
-        if now - since >= EXIT_QUIET and self.pending == 0
-           and inbox_len(self) == 0 then
-            break
-        end
-        if now - since >= timeout and now - since >= EXIT_QUIET then
-            break
-        end
-        self.wsema:post(1)
-        ngx_sleep(0.01)
-    end
-    self.stopping = true
-    self.exit_counted = true
-    if self.pending > 0 then
-        count(self.counters.dropped, "exit", self.pending)
-        log(WARN, "worker exiting with ", self.pending,
-            " event(s) not acknowledged by the broker")
-    end
-    release_held(self)
-    self.wsema:post(1)
-    self.isema:post(1)
-end
-
-
--- The worker stops (its Lua VM closes next): counts, once, what the bus
--- will never deliver. Returns the events published and not sent, sent
--- and not acknowledged by the broker (both unless exit_watch counted them
--- already: the rest of a graceful exit), received (or published to this
--- worker) and not handled, and held by the broker in this worker for
--- others that no publisher counts (see broker.count_left).
-local function count_left(self)
-    if self.left_counted then
-        return 0, 0, 0, 0
-    end
-    self.left_counted = true
-    self.stopping = true
-    local unsent, unacked = 0, 0
-    if not self.exit_counted then
-        unsent = self.unsent_q:len()
-        if self.worker == self.opts.broker then
-            -- what the broker has not taken yet of the batch it is
-            -- taking (the rest is in its queues)
-            unacked = frame.count_events(self.spare:ref())
-        else
-            unacked = self.pending - unsent
-        end
-    end
-    local unhandled = inbox_len(self)
-    local own = self.own
-    while own.n > 0 do
-        -- (copies of events to this worker published behind unsent
-        -- ones: the other copies are of events counted as not sent)
-        if own:pop() % 1 ~= 0 then
-            unhandled = unhandled + 1
-        end
-    end
-    local dropped = self.counters.dropped
-    if unsent + unacked > 0 then
-        count(dropped, "exit", unsent + unacked)
-    end
-    if unhandled > 0 then
-        count(dropped, "not handled", unhandled)
-    end
-    return unsent, unacked, unhandled, broker.count_left(self)
-end
-
-
--- at VM close (see resty.loom.at_close): what no exit_worker() reported
-local function unreported_at_close()
-    local unsent, unacked, unhandled, held = 0, 0, 0, 0
-    for bus in pairs(living) do
-        local u, a, h, b = count_left(bus)
-        unsent, unacked = unsent + u, unacked + a
-        unhandled, held = unhandled + h, held + b
-    end
-    local lost = unsent + unacked + unhandled + held
-    if lost > 0 then
-        return "warn", "[loom.events] " .. lost .. " event(s) lost at "
-               .. "worker exit without a report (" .. unsent .. " not sent, "
-               .. unacked .. " not acknowledged, " .. unhandled
-               .. " not handled, " .. held .. " held by the broker): call "
-               .. "require(\"resty.loom.events\").exit_worker() in "
-               .. "exit_worker_by_lua_block"
-    end
-end
-
-
 -- Connects this worker to the bus. Call it in init_worker_by_lua.
 function _M.init_worker(self)
     if self.initialized then
@@ -1500,34 +377,14 @@ function _M.init_worker(self)
         return nil, "failed to start the exit watch: " .. err
     end
     self.initialized = true
-    living[self] = true
-    at_close.register(unreported_at_close)
-    -- (the check reads this bus's buffers: see at_close.renew)
-    at_close.renew()
+    exit.track(self)
     return true
 end
 
 
--- events.exit_worker(), in exit_worker_by_lua*: a fast stop (SIGTERM,
--- SIGINT, nginx -s stop) runs no timer and no cosocket, so this is the
--- only code of the bus that runs then. Counts and logs what each bus of
--- the worker will never deliver; after a graceful exit, what it could not
--- (a stuck handler). Nothing once everything was delivered.
-function _M.exit_worker()
-    for bus in pairs(living) do
-        local unsent, unacked, unhandled, held = count_left(bus)
-        local lost = unsent + unacked + unhandled + held
-        if lost > 0 then
-            log(WARN, "worker stopping: ", lost, " event(s) lost: ", unsent,
-                " published and not sent, ", unacked, " sent and not "
-                .. "acknowledged by the broker (some may have reached "
-                .. "their workers), ", unhandled, " received and not "
-                .. "handled, ", held, " held by the broker for other "
-                .. "workers (some may have reached them)")
-        end
-    end
-    return true
-end
+-- events.exit_worker(), in exit_worker_by_lua*: counts and logs what each
+-- bus of the worker will never deliver (see events/exit.lua).
+_M.exit_worker = exit.exit_worker
 
 
 -- Serves one worker connection: content_by_lua on the bus's unix server.
@@ -1927,50 +784,12 @@ end
 
 -- Cross-worker collection (stats endpoints). fn() returns a serialisable
 -- value for this worker.
-function _M.register_collector(name, fn)
-    if type(name) ~= "string" then
-        error("name must be a string", 2)
-    end
-    if type(fn) ~= "function" then
-        error("fn must be a function", 2)
-    end
-    collectors[name] = fn
-end
+_M.register_collector = collect.register_collector
 
 
 -- Asks every worker for the collector's value: { [worker id] = value }.
 -- Workers that do not answer in time are missing from the result.
-function _M.collect(self, name, timeout)
-    timeout = timeout or 1
-    local id = (self.collect_id or 0) + 1
-    self.collect_id = id
-    self.collecting = self.collecting or {}
-    local pend = { results = {}, n = 0, sema = semaphore.new() }
-    self.collecting[id] = pend
-    local err = not self.initialized and "not initialized"
-                or self.stopping and "closed"
-    if not err then
-        local ok, e = pcall(send_urgent, self, ALL, "collect",
-                            { name = name, id = id })
-        err = not ok and e
-    end
-    if err then
-        self.collecting[id] = nil
-        return nil, "failed to collect: " .. tostring(err)
-    end
-    local want = self.worker_count + (self.opts.privileged_agent and 1 or 0)
-    local deadline = ngx_now() + timeout
-    while pend.n < want do
-        local left = deadline - ngx_now()
-        if left <= 0 then
-            break
-        end
-        pend.sema:wait(max(left, 0.001))
-        ngx.update_time()
-    end
-    self.collecting[id] = nil
-    return pend.results
-end
+_M.collect = collect.collect
 
 
 _M.register_collector("loom.events", function()

@@ -1,0 +1,324 @@
+-- The client's connection to the broker: the loop that connects (and
+-- reconnects), the writer that sends the queued events and confirms what
+-- was received, and the broker worker's link to the broker in its own
+-- process.
+
+
+local buffer = require "string.buffer"
+local semaphore = require "ngx.semaphore"
+local frame = require "resty.loom.events.frame"
+local fifo = require "resty.loom.events.fifo"
+local broker = require "resty.loom.events.broker"
+local receive = require "resty.loom.events.receive"
+local own = require "resty.loom.events.own"
+local collect = require "resty.loom.events.collect"
+local lane_timer = require("resty.loom.events.lane").lane_timer
+local handshake = require("resty.loom.events.handshake").handshake
+local evlog = require "resty.loom.events.log"
+
+local ngx = ngx
+local ngx_now = ngx.now
+local ngx_sleep = ngx.sleep
+local timer_at = ngx.timer.at
+local spawn = ngx.thread.spawn
+local kill = ngx.thread.kill
+local worker_exiting = ngx.worker.exiting
+local buf_new = buffer.new
+local random = math.random
+local min = math.min
+local log = evlog.log
+local warn_once = evlog.warn_once
+local consume = receive.consume
+local reader = receive.reader
+local wait_inbox_room = receive.wait_inbox_room
+local wake_publishers = receive.wake_publishers
+local release_own = own.release_own
+local own_unique = own.own_unique
+local release_held = own.release_held
+local receive_urgent = collect.receive_urgent
+
+local ERR = ngx.ERR
+local WARN = ngx.WARN
+
+local T_ACK = frame.ACK
+local T_PING = frame.PING
+local T_BYE = frame.BYE
+local WRITE_MAX = frame.WRITE_MAX
+local ACK_EVERY = receive.ACK_EVERY
+local ACK_DELAY = receive.ACK_DELAY
+
+
+local _M = { _VERSION = "0.2.0" }
+
+
+-- a header-only control frame
+local function control(typ, seq)
+    local out = buf_new(64)
+    frame.put_empty(out, typ, seq or 0)
+    return out:get()
+end
+
+
+-- sends on the connection; a failure is kept on the link for the reader
+local function send(sock, link, data)
+    local ok, err = sock:send(data)
+    if not ok then
+        link.error = "failed to send: " .. err
+    end
+    return ok
+end
+
+
+local function writer(self, sock, link)
+    local last_send = ngx_now()
+    local hb = self.opts.heartbeat
+    while true do
+        if #self.unsent == 0 and (#self.urgent == 0 or self.lane) then
+            if self.stopping then
+                -- what we received goes confirmed: the broker counts
+                -- the rest as dropped for us
+                if not send(sock, link, control(T_ACK, link.got)
+                                        .. control(T_BYE)) then
+                    return nil, link.error
+                end
+                return true
+            end
+            self.writer_idle = true
+            -- events received and not confirmed yet: soon, in one frame
+            -- for all that come meanwhile
+            link.short = link.got > link.acked
+            self.wsema:wait(link.short and ACK_DELAY or hb / 2)
+            self.writer_idle = false
+        end
+        if link.closed then
+            return true
+        end
+        if #self.urgent > 0 and not self.lane then
+            -- (without a lane: behind the write under way)
+            if not send(sock, link, self.urgent:get()) then
+                return nil, link.error
+            end
+            last_send = ngx_now()
+        end
+        local got = link.got
+        if got > link.acked
+           and (#self.unsent == 0 or got - link.acked >= ACK_EVERY
+                or ngx_now() - (link.since or 0) >= ACK_DELAY) then
+            -- the broker keeps what it wrote to us until we confirm it:
+            -- when we have nothing else to send, after a long run, or
+            -- ACK_DELAY after the first unconfirmed event (not with every
+            -- write: a send each costs both sides)
+            if not send(sock, link, control(T_ACK, got)) then
+                return nil, link.error
+            end
+            link.acked = got
+            link.since = got < link.got and ngx_now() or nil
+            last_send = ngx_now()
+        end
+        if #self.unsent > 0 then
+            -- whole events, up to WRITE_MAX bytes per write; they stay in
+            -- unacked until the broker acknowledges them
+            local uq, aq = self.unsent_q, self.unacked_q
+            local take = 0
+            local first, last = uq:peek(), 0
+            while true do
+                local s, b = uq:peek()
+                if not s or (take > 0 and take + b > WRITE_MAX) then
+                    break
+                end
+                uq:pop()
+                aq:push(s, b)
+                take = take + b
+                last = s
+            end
+            local data = self.unsent:get(take)
+            self.unacked:put(data)
+            if self.own.n > 0 then
+                -- (a call with a loop in it would keep this loop from
+                -- being compiled, so only when there is something)
+                release_own(self, first, last, uq:len() == 0)
+            end
+            if not send(sock, link, data) then
+                return nil, link.error
+            end
+            last_send = ngx_now()
+        elseif ngx_now() - last_send >= hb / 2 then
+            if not send(sock, link, control(T_PING)) then
+                return nil, link.error
+            end
+            last_send = ngx_now()
+        end
+    end
+end
+
+
+-- The broker worker's writer: hands all that is queued to the broker in
+-- this process. Nothing waits for acknowledgement: what the broker holds
+-- dies with this process, and so does its publisher.
+local function local_writer(self, link)
+    while true do
+        if #self.unsent == 0 then
+            if self.stopping or link.closed then
+                return true
+            end
+            self.writer_idle = true
+            self.wsema:wait(1)
+            self.writer_idle = false
+        end
+        if #self.unsent > 0 then
+            local uq = self.unsent_q
+            local first, n = uq:peek(), uq:len()
+            local bytes = #self.unsent
+            uq:clear()
+            -- publishes go on into the spare buffer while the broker takes
+            -- this one (it may wait for a slow worker)
+            local batch = self.unsent
+            self.unsent, self.spare = self.spare, batch
+            if self.own.n > 0 then
+                release_own(self, first, self.seq, true)
+            end
+            local ok, err = broker.take_local(self, link.conn, batch)
+            batch:reset()
+            if not ok then
+                -- frames we made ourselves: a bug, not a peer's fault
+                log(ERR, "failed to hand events to the broker: ", err)
+            end
+            self.pending = self.pending - n
+            self.pending_bytes = self.pending_bytes - bytes
+            wake_publishers(self, n)
+        end
+    end
+end
+
+
+-- The broker worker talks to the broker without a socket.
+local function run_local(self)
+    local link = { closed = false }
+    local st = { got = 0 }
+    link.conn = broker.attach_local(self, function(batch)
+        wait_inbox_room(self, link)
+        local need, err = consume(self, batch, st)
+        if not need then
+            return nil, err
+        end
+        return true
+    end, function(p, len)
+        local ok, err = receive_urgent(self, p, len)
+        if not ok then
+            log(ERR, "failed to handle an urgent event: ", err)
+        end
+    end, function(seq, run)
+        own_unique(self, seq, run)
+    end)
+    self.local_link = link.conn
+    self.connected = true
+    self.ready = true
+    local_writer(self, link)
+    self.local_link = nil
+    link.closed = true
+    self.rspace:post(1)
+    broker.detach_local(self, link.conn)
+    self.connected = false
+end
+
+
+-- after a reconnect, whatever the broker had not acknowledged goes again,
+-- ahead of what was never sent
+local function requeue_unacked(self)
+    if #self.unacked == 0 then
+        return
+    end
+    local rest = self.unsent:get()
+    local merged = fifo.new()
+    self.unacked_q:move_to(merged)
+    self.unsent_q:move_to(merged)
+    self.unsent_q = merged
+    self.unsent:put(self.unacked:get())
+    self.unsent:put(rest)
+    self.unacked:reset()
+end
+
+
+local function client_loop(premature, self)
+    if premature then
+        return
+    end
+    if self.worker == self.opts.broker then
+        run_local(self)
+        self.isema:post(1)
+        return
+    end
+    local backoff = 0.01
+    local first = true
+    while not self.stopping do
+        local sock = ngx.socket.tcp()
+        sock:settimeout(2000)
+        local ok, err, reason = handshake(self, sock)
+        if ok then
+            if not first then
+                self.counters.reconnects = self.counters.reconnects + 1
+            end
+            first = false
+            self.connected = true
+            self.ready = true
+            backoff = 0.01
+            requeue_unacked(self)
+            local link = { closed = false, error = nil, got = 0, acked = 0 }
+            local wt = spawn(writer, self, sock, link)
+            local lane = { closed = false, sema = semaphore.new(),
+                           ended = false, done = semaphore.new() }
+            local lane_started = timer_at(0, lane_timer, self, lane)
+            local rok, rerr = reader(self, sock, link)
+            link.closed = true
+            self.wsema:post(1)
+            lane.closed = true
+            lane.sema:post(1)
+            while lane_started and not lane.ended do
+                lane.done:wait(1)
+            end
+            -- a writer stuck in a send to a dead broker is stopped here;
+            -- what it was sending is still in unacked and goes again
+            kill(wt)
+            local wok, werr = not link.error, link.error
+            self.connected = false
+            sock:close()
+            if self.stopping then
+                break
+            end
+            if not rok or not wok then
+                log(WARN, "lost the broker: ", rerr or werr,
+                    "; reconnecting")
+            end
+        else
+            sock:close()
+            if reason then
+                self.counters.rejected = self.counters.rejected + 1
+            end
+            if reason == "other generation" then
+                -- an old worker during a reload: the old broker is gone
+                if worker_exiting() then
+                    break
+                end
+            elseif not worker_exiting() then
+                warn_once(self, "connect", "cannot reach the broker: ", err)
+            end
+            if worker_exiting() and self.pending == 0 then
+                break
+            end
+        end
+        if self.stopping then
+            break
+        end
+        ngx_sleep(backoff * (0.5 + random()))
+        backoff = min(backoff * 2, 1)
+    end
+    -- (only at exit: publishes from now on would never leave)
+    self.stopping = true
+    self.connected = false
+    release_held(self)
+    self.isema:post(1)
+end
+_M.client_loop = client_loop
+
+
+return _M
