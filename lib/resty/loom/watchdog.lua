@@ -1,7 +1,7 @@
 -- resty.loom.watchdog: finds what blocks the nginx event loop, in
 -- production.
 --
--- The C part (src/ngx_loom_watchdog.c) times every event-loop iteration,
+-- The C part (src/ngx_loom_watchdog*.c) times every event-loop iteration,
 -- and a watchdog thread per worker looks at the main thread while an
 -- iteration runs too long: on or off CPU, which system call, and a Lua
 -- backtrace taken at a VM safe point during the stall. This module turns
