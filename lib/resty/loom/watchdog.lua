@@ -29,14 +29,12 @@ local ngx_timer_at = ngx.timer.at
 local ngx_worker_exiting = ngx.worker.exiting
 local ngx_get_phase = ngx.get_phase
 local tonumber = tonumber
-local tostring = tostring
 local type = type
 local pairs = pairs
 local ipairs = ipairs
 local error = error
 local pcall = pcall
 local str_gmatch = string.gmatch
-local str_gsub = string.gsub
 local str_match = string.match
 local tbl_concat = table.concat
 local tbl_sort = table.sort
@@ -166,6 +164,9 @@ local RULES = {
 
 local REPORTS_RULES = { limit = options.whole(0, MAX_RING) }
 
+-- what configure() cannot change
+local START_ONLY = { "backtraces", "breakpoints", "timers" }
+
 
 -- the options of start() or configure() over base (valid); raises (at the
 -- level of their caller) before anything changes
@@ -183,7 +184,7 @@ local function check_opts(opts, base)
         o[k] = v
     end
     if o.interval > o.threshold then
-        error("opts.interval must not exceed opts.threshold", 3)
+        error("opts.interval must be at most opts.threshold", 3)
     end
 
     return o
@@ -257,12 +258,10 @@ function _M.configure(opts)
         return nil, "not started"
     end
     local o = check_opts(opts, state.opts)
-    if o.backtraces ~= state.opts.backtraces
-       or o.breakpoints ~= state.opts.breakpoints
-       or o.timers ~= state.opts.timers
-    then
-        error("backtraces, breakpoints and timers can only be set by start",
-              2)
+    for _, k in ipairs(START_ONLY) do
+        if o[k] ~= state.opts[k] then
+            error("opts." .. k .. " can only be set by start", 2)
+        end
     end
     state.opts = o
     C.ngx_loom_ffi_watchdog_configure(c_conf(o))
@@ -406,21 +405,19 @@ end
 
 function _M.flamegraph(reports, opts)
     local flamegraph = require "resty.loom.flamegraph"
-    if opts ~= nil and type(opts) ~= "table" then
-        error("opts must be a table", 2)
+    if opts == nil then
+        opts = {}
     end
+    -- the renderer's options, refused before any report is drained
+    options.check(opts, flamegraph.RULES, 2)
     local o = { title = "Event-loop stalls", unit = "ms" }
-    for k, v in pairs(opts or {}) do
+    for k, v in pairs(opts) do
         o[k] = v
     end
     -- the SVG alone: ngx.print(watchdog.flamegraph()) must serve a valid
     -- document (the renderer's second value, the frame count, would follow
     -- </svg>)
-    local ok, svg = pcall(flamegraph.svg, _M.folded(reports), o)
-    if not ok then
-        -- a bad option: named at the caller's line, not this one
-        error((str_gsub(tostring(svg), "^[^:]*:%d+: ", "")), 2)
-    end
+    local svg = flamegraph.svg(_M.folded(reports), o)
     return svg
 end
 
