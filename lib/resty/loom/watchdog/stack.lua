@@ -5,6 +5,7 @@
 
 local bit = require "bit"
 local jit_util = require "jit.util"
+local vmdef = require "jit.vmdef"
 
 local debug_getinfo = debug.getinfo
 local debug_getregistry = debug.getregistry
@@ -63,7 +64,7 @@ local function parse_stack(text)
 end
 
 
-local BCNAMES = require("jit.vmdef").bcnames
+local BCNAMES = vmdef.bcnames
 local CALL_OPS = { CALL = true, CALLM = true, ITERC = true, ITERN = true }
 
 
