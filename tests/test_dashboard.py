@@ -4,6 +4,7 @@ a known workload, a stall appears within 5 s, nothing secret is shown. A
 screenshot is saved under build/test-artifacts/ when a check fails."""
 
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -122,6 +123,9 @@ def test_dashboard_shows_the_workload(gw, browser):  # noqa: F811
     took = time.time() - seen
     stalls = text(d, "#stall-list")
     assert "hash_random_strings" in stalls or "blocking_receive" in stalls
+    # "<duration> <kind> in <system call> GET <path>": words kept apart
+    assert re.search(r"s (cpu|blocked|unknown)( in \w+( \d+)?)? "
+                     r"GET /loom/demo/block(\n|$)", stalls, re.M), stalls
     assert d.find_element("css selector", "#flamegraph").get_attribute(
         "href").endswith("/loom/blocking?format=svg")
     assert SECRET not in d.page_source

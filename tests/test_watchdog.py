@@ -640,12 +640,15 @@ def test_start_refuses_nan_inf_and_absurd_options(nginx):
         -- configure() refuses the same and keeps what it had
         local ok = pcall(wd.configure, { ring = 0 })
         package.loaded.wd_configure = tostring(ok)
+        local _, err = pcall(wd.configure, { timers = false })
+        package.loaded.wd_start_only = err
     }
     """ % BAD_OPTS, server=SERVER + """
 location = /refused {
     content_by_lua_block {
         ngx.say(table.concat(package.loaded.wd_refused, "\\n"))
         ngx.say(package.loaded.wd_configure)
+        ngx.say(package.loaded.wd_start_only)
     }
 }
 location = /limits {
@@ -659,11 +662,12 @@ location = /limits {
 }
 """)
     lines = n.get("/refused").text.splitlines()
-    assert len(lines) == 26
-    for line in lines[:-1]:
+    assert len(lines) == 27
+    for line in lines[:-2]:
         assert line.startswith("false opts."), lines
-    assert lines[-1] == "false"
-    assert any("opts.interval must not exceed opts.threshold" in ln
+    assert lines[-2] == "false"
+    assert lines[-1] == "opts.timers can only be set by start", lines
+    assert any("opts.interval must be at most opts.threshold" in ln
                for ln in lines)
     r = n.get("/limits")
     assert r.text.split() == ["false", "false", "false", "true"], r.text

@@ -55,6 +55,10 @@ local XML_ESC = { ["&"] = "&amp;", ["<"] = "&lt;", [">"] = "&gt;",
 
 local _M = { _VERSION = "0.2.0" }
 
+-- the rules of svg()'s options: a caller that renders late (the watchdog
+-- drains its reports first) checks them up front
+_M.RULES = RULES
+
 
 local function xml(s)
     s = str_gsub(tostring(s), "[&<>\"']", XML_ESC)

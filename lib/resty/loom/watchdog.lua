@@ -1,7 +1,7 @@
 -- resty.loom.watchdog: finds what blocks the nginx event loop, in
 -- production.
 --
--- The C part (src/ngx_loom_watchdog.c) times every event-loop iteration,
+-- The C part (src/ngx_loom_watchdog*.c) times every event-loop iteration,
 -- and a watchdog thread per worker looks at the main thread while an
 -- iteration runs too long: on or off CPU, which system call, and a Lua
 -- backtrace taken at a VM safe point during the stall. This module turns
@@ -10,11 +10,13 @@
 
 
 local ffi = require "ffi"
-local jit = require "jit"
-local bit = require "bit"
-local jit_util = require "jit.util"
 local semaphore = require "ngx.semaphore"
 local options = require "resty.loom.opts"
+local names = require "resty.loom.watchdog.names"
+local report = require "resty.loom.watchdog.report"
+local log = require "resty.loom.watchdog.log"
+local timers = require "resty.loom.watchdog.timers"
+require "resty.loom.watchdog.cdef"
 
 local C = ffi.C
 local ffi_new = ffi.new
@@ -23,156 +25,35 @@ local ngx = ngx
 local ngx_log = ngx.log
 local ngx_WARN = ngx.WARN
 local ngx_ERR = ngx.ERR
-local ngx_now = ngx.now
 local ngx_timer_at = ngx.timer.at
 local ngx_worker_exiting = ngx.worker.exiting
 local ngx_get_phase = ngx.get_phase
-local debug_getinfo = debug.getinfo
-local debug_getregistry = debug.getregistry
-local funcbc = jit_util.funcbc
-local funcinfo = jit_util.funcinfo
-local band = bit.band
 local tonumber = tonumber
-local tostring = tostring
 local type = type
 local pairs = pairs
 local ipairs = ipairs
 local error = error
 local pcall = pcall
-local floor = math.floor
-local str_byte = string.byte
-local str_find = string.find
-local str_format = string.format
 local str_gmatch = string.gmatch
-local str_gsub = string.gsub
 local str_match = string.match
-local str_sub = string.sub
 local tbl_concat = table.concat
 local tbl_sort = table.sort
 local tbl_remove = table.remove
+local BP_ERRORS = names.BP_ERRORS
+local round = report.round
+local drain_samples = report.drain_samples
+local build_report = report.build
+local log_report = log.report
+local summary_line = log.summary_line
+local wrap_timers = timers.wrap
 
 
-ffi.cdef[[
-typedef struct {
-    double    threshold_ms;
-    double    interval_ms;
-    double    long_ms;
-    int       max_samples;
-    int       profile;
-    int       breakpoints;
-} loom_wd_conf_t;
-
-typedef struct {
-    uint64_t  iterations;
-    uint64_t  busy_ns;
-    uint64_t  max_ns;
-    uint64_t  stalls;
-    uint64_t  reports_dropped;
-    uint64_t  samples;
-    uint64_t  samples_dropped;
-    uint64_t  signals;
-    uint64_t  breakpoints;
-    uint64_t  started_ns;
-    uint64_t  buckets[18];
-    int       running;
-    int       profiler;
-    int       bp_state;
-    int       bp_errno;
-} loom_wd_stats_t;
-
-typedef struct {
-    uint64_t  seq;
-    double    start;
-    double    duration_ms;
-    double    cpu_ms;
-    double    runq_ms;
-    double    detect_ms;
-    double    report_ms;
-    uint32_t  ticks;
-    uint32_t  ticks_running;
-    uint32_t  ticks_sleeping;
-    uint32_t  ticks_disk;
-    int32_t   sys_nr[4];
-    uint32_t  sys_n[4];
-    uint32_t  lua_samples;
-    int32_t   phase;
-    int32_t   detected;
-    int32_t   cpu_known;
-    int32_t   runq_known;
-    int32_t   timer;
-    int32_t   bt_signal;
-    int32_t   bt_breakpoint;
-    char      wchan[48];
-    char      request[256];
-    char      site[320];
-} loom_wd_report_t;
-
-typedef struct {
-    uint64_t  seq;
-    uint32_t  off;
-    uint32_t  len;
-    int32_t   vmstate;
-    int32_t   offcpu;
-} loom_wd_sample_t;
-
-int ngx_loom_ffi_watchdog_start(const loom_wd_conf_t *conf, void *sem,
-    char **err);
-int ngx_loom_ffi_watchdog_configure(const loom_wd_conf_t *conf);
-int ngx_loom_ffi_watchdog_enable(int on);
-void ngx_loom_ffi_watchdog_detach(void);
-const loom_wd_stats_t *ngx_loom_ffi_watchdog_stats(void);
-int ngx_loom_ffi_watchdog_pop(loom_wd_report_t *out);
-const loom_wd_sample_t *ngx_loom_ffi_watchdog_samples(int *n,
-    const char **text);
-void ngx_loom_ffi_watchdog_samples_reset(void);
-double ngx_loom_ffi_watchdog_busy_ms(void);
-double ngx_loom_ffi_watchdog_wall(void);
-void ngx_loom_ffi_watchdog_log(int level, const char *msg, size_t len);
-]]
-
-
-local LOG_TAG = "[loom.watchdog] "
+local LOG_TAG = log.TAG
 local NBUCKETS = 18
 
 -- upper bounds of the C histogram buckets, milliseconds
 local BOUNDS_MS = { 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250,
                     500, 1000, 2500, 5000, 10000 }
-
-local PHASES = {
-    [0x0001] = "set", [0x0002] = "rewrite", [0x0004] = "access",
-    [0x0008] = "content", [0x0010] = "log", [0x0020] = "header_filter",
-    [0x0040] = "body_filter", [0x0080] = "timer", [0x0100] = "init_worker",
-    [0x0200] = "balancer", [0x0400] = "ssl_cert",
-    [0x0800] = "ssl_session_store", [0x1000] = "ssl_session_fetch",
-    [0x2000] = "exit_worker", [0x4000] = "ssl_client_hello",
-    [0x8000] = "server_rewrite",
-}
-
-local VMSTATES = { [78] = "compiled", [73] = "interpreted", [67] = "C",
-                   [71] = "GC", [74] = "JIT compiler" }
-
--- x86_64 system call numbers of the calls that block a worker most often
-local SYSCALLS = {
-    [0] = "read", [1] = "write", [2] = "open", [3] = "close", [4] = "stat",
-    [5] = "fstat", [6] = "lstat", [7] = "poll", [8] = "lseek", [9] = "mmap",
-    [17] = "pread64", [18] = "pwrite64", [19] = "readv", [20] = "writev",
-    [21] = "access", [23] = "select", [34] = "pause", [35] = "nanosleep",
-    [42] = "connect", [43] = "accept", [44] = "sendto", [45] = "recvfrom",
-    [46] = "sendmsg", [47] = "recvmsg", [56] = "clone", [57] = "fork",
-    [58] = "vfork", [59] = "execve", [61] = "wait4", [72] = "fcntl",
-    [73] = "flock", [74] = "fsync", [75] = "fdatasync", [76] = "truncate",
-    [77] = "ftruncate", [82] = "rename", [83] = "mkdir", [87] = "unlink",
-    [202] = "futex", [230] = "clock_nanosleep", [232] = "epoll_wait",
-    [247] = "waitid", [257] = "openat", [270] = "pselect6", [271] = "ppoll",
-    [281] = "epoll_pwait", [288] = "accept4", [435] = "clone3",
-}
-if jit.arch ~= "x64" then
-    SYSCALLS = {}
-end
-
-local BP_ERRORS = { [1] = "EPERM", [2] = "ENOENT", [13] = "EACCES",
-                    [19] = "ENODEV", [22] = "EINVAL", [28] = "ENOSPC",
-                    [38] = "ENOSYS", [95] = "EOPNOTSUPP" }
 
 local DEFAULTS = {
     threshold = 100,        -- ms: an iteration this long is a stall
@@ -198,454 +79,10 @@ local state = {
     sema = nil,
     ring = {},              -- newest last
     count = 0,              -- reports made by this worker
-    log_window = 0,
-    log_lines = 0,
-    log_suppressed = 0,
 }
 
 local report_buf = ffi_new("loom_wd_report_t")
-local nsamples_buf = ffi_new("int[1]")
-local text_buf = ffi_new("const char *[1]")
 local errmsg = ffi_new("char *[1]")
-
-
-local function syscall_name(nr)
-    return SYSCALLS[nr] or ("syscall " .. nr)
-end
-
-
--- "name@loc" -> { func =, source =, line = }
-local function parse_frame(s)
-    local at = str_find(s, "@", 1, true)
-    local name, loc = s, s
-    if at then
-        name, loc = str_sub(s, 1, at - 1), str_sub(s, at + 1)
-    end
-    local src, line = str_match(loc, "^(.*):(%d+)$")
-    if name == loc or (src and str_match(name, "^(.*):%d+$") == src) then
-        name = nil          -- no name: a main chunk or an anonymous function
-    end
-    return {
-        func = name,
-        source = src or loc,
-        line = tonumber(line),
-    }
-end
-
-
-local function frame_label(f)
-    local loc = f.line and (f.source .. ":" .. f.line) or f.source
-    if f.func then
-        return f.func .. " (" .. loc .. ")"
-    end
-    return loc
-end
-
-
--- dumpstack text (outermost first, ";"-separated) -> frames innermost first
-local function parse_stack(text)
-    local frames = {}
-    for part in str_gmatch(text, "[^;]+") do
-        frames[#frames + 1] = parse_frame(part)
-    end
-    local n = #frames
-    for i = 1, floor(n / 2) do
-        frames[i], frames[n - i + 1] = frames[n - i + 1], frames[i]
-    end
-    return frames
-end
-
-
-local function round(x, digits)
-    local m = 10 ^ (digits or 1)
-    return floor(x * m + 0.5) / m
-end
-
-
-local RUNNER_SOURCE = str_sub(debug_getinfo(1, "S").source, 2)
-
-
-local function drain_samples(by_seq)
-    local samples = C.ngx_loom_ffi_watchdog_samples(nsamples_buf, text_buf)
-    local n = nsamples_buf[0]
-    local text = text_buf[0]
-    for i = 0, n - 1 do
-        local s = samples[i]
-        local seq = tonumber(s.seq)
-        local list = by_seq[seq]
-        if not list then
-            list = {}
-            by_seq[seq] = list
-        end
-        list[#list + 1] = {
-            stack = ffi_string(text + s.off, s.len),
-            vmstate = VMSTATES[s.vmstate] or "?",
-            offcpu = s.offcpu ~= 0,
-        }
-    end
-end
-
-
-local BCNAMES = require("jit.vmdef").bcnames
-local CALL_OPS = { CALL = true, CALLM = true, ITERC = true, ITERN = true }
-
-
--- An off-CPU sample is taken at the instruction after the blocking call:
--- find the line of a call whose next instruction is on "resume_line".
-local function call_line(fn, resume_line)
-    local best
-    for pc = 1, 65536 do
-        local ins = funcbc(fn, pc)
-        if not ins then
-            break
-        end
-        local op = band(ins, 0xff)
-        local name = str_match(str_sub(BCNAMES, op * 6 + 1, op * 6 + 6),
-                               "^(%S+)")
-        if CALL_OPS[name] then
-            local nxt = funcinfo(fn, pc + 1)
-            if nxt and nxt.currentline == resume_line then
-                local here = funcinfo(fn, pc).currentline
-                if here and here <= resume_line
-                   and (not best or here > best)
-                then
-                    best = here
-                end
-            end
-        end
-    end
-    return best
-end
-
-
-local function fix_call_line(frames)
-    local reg = debug_getregistry()
-    local fn = reg["loom.watchdog.fn"]
-    reg["loom.watchdog.fn"] = nil
-    local top = frames[1]
-    if type(fn) ~= "function" or not top or not top.line then
-        return
-    end
-    local info = debug_getinfo(fn, "S")
-    local src = info.source
-    if str_byte(src, 1) == 64 or str_byte(src, 1) == 61 then
-        src = str_sub(src, 2)
-    end
-    if src ~= top.source or top.line < info.linedefined
-       or (info.lastlinedefined > 0 and top.line > info.lastlinedefined)
-    then
-        return
-    end
-    local line = call_line(fn, top.line)
-    if line then
-        top.resumed_at = top.line
-        top.line = line
-    end
-end
-
-
--- a frame of the code that runs timer callbacks: this module's ngx.timer
--- wrapper, resty.loom.timer, or the xpcall it calls callbacks with
-local function is_runner(f)
-    return f.source == RUNNER_SOURCE
-           or str_find(f.source, "resty/loom/timer", 1, true) ~= nil
-           or str_find(f.source, "[builtin#", 1, true) == 1
-end
-
-
--- drops the runner's frames under a timer's callback (frames innermost
--- first); the callback has no name of its own. Without a site (a loom
--- timer made with stats = false) the callback frame stands for it.
-local function drop_runner_frames(timer, frames)
-    local n = #frames
-    if n == 0 or not is_runner(frames[n]) then
-        return
-    end
-    while n > 0 and is_runner(frames[n]) do
-        frames[n] = nil
-        n = n - 1
-    end
-    local cb = frames[n]
-    if cb then
-        cb.func = nil
-        if not timer.callback then
-            timer.callback = cb.source
-        end
-    end
-end
-
-
-local function build_report(c, samples, threshold)
-    local dur = c.duration_ms
-    local on_cpu
-    if c.cpu_known ~= 0 then
-        on_cpu = c.cpu_ms
-    elseif c.ticks > 0 then
-        on_cpu = dur * c.ticks_running / c.ticks
-    end
-    local off_cpu = on_cpu and (dur - on_cpu) or nil
-    local runq = c.runq_known ~= 0 and c.runq_ms or nil
-
-    local syscalls = {}
-    for i = 0, 3 do
-        if c.sys_n[i] > 0 then
-            syscalls[#syscalls + 1] = {
-                name = syscall_name(c.sys_nr[i]),
-                nr = c.sys_nr[i],
-                samples = c.sys_n[i],
-            }
-        end
-    end
-    tbl_sort(syscalls, function(a, b) return a.samples > b.samples end)
-
-    local kind
-    if on_cpu then
-        if on_cpu >= off_cpu then
-            kind = "cpu"
-        elseif runq and on_cpu + runq >= off_cpu - runq then
-            kind = "cpu"    -- on CPU, or ready to run and starved of one
-        elseif #syscalls == 0 then
-            -- never seen in a system call: the time the thread did not
-            -- get was taken by the hypervisor (steal), not a wait
-            kind = "cpu"
-        else
-            kind = "blocked"
-        end
-    elseif c.ticks_disk > 0 then
-        kind = "blocked"
-    else
-        kind = "unknown"
-    end
-
-    local report = {
-        id = tonumber(c.seq),
-        worker = ngx.worker.id(),
-        pid = ngx.worker.pid(),
-        time = round(c.start, 3),
-        duration_ms = round(dur, 1),
-        threshold_ms = threshold,
-        kind = kind,
-        on_cpu_ms = on_cpu and round(on_cpu, 1) or nil,
-        off_cpu_ms = off_cpu and round(off_cpu, 1) or nil,
-        runqueue_ms = runq and round(runq, 1) or nil,
-        syscall = syscalls[1] and syscalls[1].name or nil,
-        syscalls = syscalls,
-        wchan = c.wchan[0] ~= 0 and ffi_string(c.wchan) or nil,
-        proc_samples = {
-            total = c.ticks, running = c.ticks_running,
-            sleeping = c.ticks_sleeping, disk = c.ticks_disk,
-        },
-        detected_while_blocked = c.detected ~= 0,
-        detect_ms = round(c.detect_ms, 1),
-        report_ms = round(c.report_ms, 1),
-        phase = PHASES[c.phase],
-        lua_samples = #samples,
-    }
-
-    -- how long after the stall ended this report was made
-    local now = C.ngx_loom_ffi_watchdog_wall()
-    report.reported_after_ms = round((now - c.start) * 1000 - dur, 2)
-
-    if c.timer ~= 0 then
-        -- "<created at>|<callback>" or, from resty.loom.timer,
-        -- "<created at>|<callback>|<name>"
-        local site = c.site[0] ~= 0 and ffi_string(c.site) or ""
-        local created, defined, name = str_match(site,
-                                                 "^([^|]*)|([^|]*)|?(.*)$")
-        report.timer = { created_at = created ~= "" and created or nil,
-                         callback = defined ~= "" and defined or nil,
-                         name = name ~= "" and name or nil }
-    elseif c.request[0] ~= 0 then
-        local req = ffi_string(c.request)
-        local method, uri = str_match(req, "^(%S+) (.*)$")
-        report.request = { method = method, uri = uri or req }
-    end
-
-    -- backtrace: the sample right after the blocking call if any, else
-    -- the first CPU sample; hot frames from the CPU samples
-    local bt_sample
-    for _, s in ipairs(samples) do
-        if s.offcpu then
-            bt_sample = s
-            break
-        end
-    end
-    bt_sample = bt_sample or samples[1]
-
-    if bt_sample then
-        local frames = parse_stack(bt_sample.stack)
-        if bt_sample.offcpu then
-            fix_call_line(frames)
-        end
-        report.backtrace = frames
-        report.vmstate = bt_sample.vmstate
-
-        if report.timer then
-            drop_runner_frames(report.timer, frames)
-        end
-    end
-
-    local hot, folded = {}, {}
-    local ncpu = 0
-    for _, s in ipairs(samples) do
-        if not s.offcpu then
-            ncpu = ncpu + 1
-        end
-    end
-
-    local cpu_weight = ncpu > 0 and (on_cpu or dur) / ncpu or 0
-    for _, s in ipairs(samples) do
-        local frames = parse_stack(s.stack)
-        local labels = {}
-        for i = #frames, 1, -1 do
-            labels[#labels + 1] = frame_label(frames[i])
-        end
-        local w
-        if s.offcpu then
-            labels[#labels + 1] = "[" .. (report.syscall or "off-cpu") .. "]"
-            w = off_cpu or dur
-        else
-            w = cpu_weight
-            local top = frames[1] and frame_label(frames[1]) or "?"
-            hot[top] = (hot[top] or 0) + 1
-        end
-        local key = tbl_concat(labels, ";")
-        folded[key] = (folded[key] or 0) + w
-    end
-
-    if not bt_sample and off_cpu and off_cpu > 0 then
-        local leaf = "[" .. (report.syscall or "off-cpu") .. "]"
-        folded[leaf] = off_cpu
-    end
-
-    local hot_list = {}
-    for frame, n in pairs(hot) do
-        hot_list[#hot_list + 1] = {
-            frame = frame, samples = n, share = round(n / ncpu, 2),
-        }
-    end
-    tbl_sort(hot_list, function(a, b)
-        if a.samples ~= b.samples then
-            return a.samples > b.samples
-        end
-        return a.frame < b.frame
-    end)
-    report.hot = hot_list
-
-    local lines = {}
-    for k, v in pairs(folded) do
-        lines[#lines + 1] = k .. " " .. floor(v + 0.5)
-    end
-    tbl_sort(lines)
-    report.folded = tbl_concat(lines, "\n")
-
-    if not bt_sample then
-        if c.detected == 0 then
-            report.backtrace_missing = "stall ended before the watchdog's "
-                                       .. "next look"
-        elseif kind == "blocked" then
-            report.backtrace_missing = "blocked in a call the watchdog "
-                                       .. "cannot interrupt safely"
-        else
-            report.backtrace_missing = "no safe point reached"
-        end
-    end
-
-    return report
-end
-
-
-local function summary_line(r)
-    local what
-    if r.request then
-        what = (r.request.method or "") .. " " .. r.request.uri
-        if r.phase then
-            what = what .. " (" .. r.phase .. ")"
-        end
-    elseif r.timer then
-        what = "timer " .. (r.timer.name and ("\"" .. r.timer.name .. "\" ")
-                            or "") .. (r.timer.callback or "?")
-        if r.timer.created_at then
-            what = what .. " created at " .. r.timer.created_at
-        end
-    else
-        what = "unknown code"
-    end
-
-    local parts = {
-        str_format("event loop blocked %.1f ms (threshold %g ms) by %s",
-                   r.duration_ms, r.threshold_ms, what),
-    }
-
-    if r.on_cpu_ms then
-        local off = str_format("off-CPU %.1f ms", r.off_cpu_ms)
-        if r.syscall then
-            off = off .. " in " .. r.syscall
-            if r.wchan then
-                off = off .. " [" .. r.wchan .. "]"
-            end
-        end
-        if r.runqueue_ms and r.runqueue_ms >= 1 then
-            off = off .. str_format(" (%.1f ms of it runnable, waiting for "
-                                    .. "a CPU)", r.runqueue_ms)
-        end
-        parts[#parts + 1] = str_format("on-CPU %.1f ms, %s", r.on_cpu_ms,
-                                       off)
-    end
-
-    if r.backtrace then
-        local bt = {}
-        for i = 1, #r.backtrace do
-            if i > 6 then
-                bt[#bt + 1] = "..."
-                break
-            end
-            bt[#bt + 1] = frame_label(r.backtrace[i])
-        end
-        parts[#parts + 1] = "lua: " .. tbl_concat(bt, " < ")
-    elseif r.backtrace_missing then
-        parts[#parts + 1] = "lua: unknown (" .. r.backtrace_missing .. ")"
-    end
-
-    if r.hot[1] and r.lua_samples > 1 then
-        local hot = {}
-        for i = 1, 3 do
-            local h = r.hot[i]
-            if not h then
-                break
-            end
-            hot[#hot + 1] = str_format("%s %d%%", h.frame, h.share * 100)
-        end
-        parts[#parts + 1] = "hot: " .. tbl_concat(hot, ", ")
-    end
-
-    parts[#parts + 1] = "report " .. r.id
-    return tbl_concat(parts, "; ")
-end
-
-
-local function log_report(r, opts)
-    local now = ngx_now()
-    if now - state.log_window >= opts.log_interval then
-        state.log_window = now
-        state.log_lines = 0
-    end
-
-    if state.log_lines >= opts.log_burst then
-        state.log_suppressed = state.log_suppressed + 1
-        return
-    end
-
-    state.log_lines = state.log_lines + 1
-    local line = summary_line(r)
-    if state.log_suppressed > 0 then
-        line = line .. str_format(" (%d earlier reports not logged)",
-                                  state.log_suppressed)
-        state.log_suppressed = 0
-    end
-    line = LOG_TAG .. line
-    C.ngx_loom_ffi_watchdog_log(ngx_WARN, line, #line)
-end
 
 
 local function drain()
@@ -708,61 +145,6 @@ local function drain_loop(premature)
 end
 
 
--- the bottom frame of every timer made while the watchdog runs; the C side
--- reads its local loom_timer_site to tell where the timer was created
-local function loom_timer_runner(premature, loom_timer_site, cb, ...)
-    cb(premature, ...)
-end
-
-
-local function src_name(info)
-    local src = info.source
-    if str_byte(src, 1) == 64 then        -- "@path"
-        return str_sub(src, 2)
-    end
-    return info.short_src
-end
-
-
--- "<where ngx.timer.at was called>|<where the callback is defined>"
-local function timer_site(cb)
-    local info = debug_getinfo(3, "Sl")
-    local def = debug_getinfo(cb, "S")
-    local site = info and (src_name(info) .. ":" .. (info.currentline or 0))
-                 or "?"
-    return site .. "|" .. src_name(def) .. ":" .. def.linedefined
-end
-
-
--- ngx.timer.at or every (as made by make) with the creation site noted
-local function noting_site(make)
-    return function(delay, cb, ...)
-        if type(cb) ~= "function" then
-            return make(delay, cb, ...)
-        end
-        return make(delay, loom_timer_runner, timer_site(cb), cb, ...)
-    end
-end
-
-
--- wraps what ngx.timer.at/every are now (native ones, or another
--- library's), except resty.loom.timer's after its patch(): those name
--- their timers themselves, and raise at their caller's line
-local function wrap_timers()
-    local timer = ngx.timer
-    local loom = package.loaded["resty.loom.timer"]
-    local patched = type(loom) == "table"
-    -- luacheck: push ignore 122
-    if not (patched and timer.at == loom.at) then
-        timer.at = noting_site(timer.at)
-    end
-    if not (patched and timer.every == loom.every) then
-        timer.every = noting_site(timer.every)
-    end
-    -- luacheck: pop
-end
-
-
 local MAX_RING = 100000
 
 -- the rules of DEFAULTS' keys
@@ -782,6 +164,9 @@ local RULES = {
 
 local REPORTS_RULES = { limit = options.whole(0, MAX_RING) }
 
+-- what configure() cannot change
+local START_ONLY = { "backtraces", "breakpoints", "timers" }
+
 
 -- the options of start() or configure() over base (valid); raises (at the
 -- level of their caller) before anything changes
@@ -799,7 +184,7 @@ local function check_opts(opts, base)
         o[k] = v
     end
     if o.interval > o.threshold then
-        error("opts.interval must not exceed opts.threshold", 3)
+        error("opts.interval must be at most opts.threshold", 3)
     end
 
     return o
@@ -873,12 +258,10 @@ function _M.configure(opts)
         return nil, "not started"
     end
     local o = check_opts(opts, state.opts)
-    if o.backtraces ~= state.opts.backtraces
-       or o.breakpoints ~= state.opts.breakpoints
-       or o.timers ~= state.opts.timers
-    then
-        error("backtraces, breakpoints and timers can only be set by start",
-              2)
+    for _, k in ipairs(START_ONLY) do
+        if o[k] ~= state.opts[k] then
+            error("opts." .. k .. " can only be set by start", 2)
+        end
     end
     state.opts = o
     C.ngx_loom_ffi_watchdog_configure(c_conf(o))
@@ -1022,21 +405,19 @@ end
 
 function _M.flamegraph(reports, opts)
     local flamegraph = require "resty.loom.flamegraph"
-    if opts ~= nil and type(opts) ~= "table" then
-        error("opts must be a table", 2)
+    if opts == nil then
+        opts = {}
     end
+    -- the renderer's options, refused before any report is drained
+    options.check(opts, flamegraph.RULES, 2)
     local o = { title = "Event-loop stalls", unit = "ms" }
-    for k, v in pairs(opts or {}) do
+    for k, v in pairs(opts) do
         o[k] = v
     end
     -- the SVG alone: ngx.print(watchdog.flamegraph()) must serve a valid
     -- document (the renderer's second value, the frame count, would follow
     -- </svg>)
-    local ok, svg = pcall(flamegraph.svg, _M.folded(reports), o)
-    if not ok then
-        -- a bad option: named at the caller's line, not this one
-        error((str_gsub(tostring(svg), "^[^:]*:%d+: ", "")), 2)
-    end
+    local svg = flamegraph.svg(_M.folded(reports), o)
     return svg
 end
 
