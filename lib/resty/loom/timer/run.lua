@@ -77,7 +77,7 @@ function _M.run_next(self, now)
     local totals = self.totals
     j.state = RUNNING
     local extra = band(j.flags, F_EXTRA) ~= 0
-    -- read by the watchdog (src/ngx_loom_watchdog.c looks for locals of
+    -- read by the watchdog (src/ngx_loom_watchdog_sample.c looks for locals of
     -- these names) when the callback stalls the event loop
     local loom_timer_name = extra and self.name_of[id] or nil
     if mode == ONCE and extra then
