@@ -215,6 +215,24 @@ class Example:
                 raise AssertionError("nginx did not quit within 20 s")
             time.sleep(0.05)
 
+    def kill_left_behind(self):
+        """Kills what a run block started in the example's directory and
+        left running (a daemonized redis-server when a later block failed
+        before the example's own clean-up): it would keep its port and data
+        for the next run."""
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            try:
+                cwd = os.readlink("/proc/%s/cwd" % pid)
+            except OSError:
+                continue
+            if cwd == self.dir or cwd.startswith(self.dir + "/"):
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
     def error_log(self):
         try:
             with open(self.dir + "/logs/error.log", errors="replace") as f:
@@ -339,6 +357,7 @@ def run_example(group, page_blocks):
         try:
             ex.stop()
         finally:
+            ex.kill_left_behind()
             subprocess.run(["rm", "-rf", ex.dir])
 
 
