@@ -34,6 +34,10 @@ static uint64_t         wd_bp_seq;
 static uint64_t         wd_bp_pc;
 static int              wd_bp_cb_n;
 static uint64_t         wd_bp_cpu;
+/* the off-CPU SIGPROF sent without a breakpoint: its stall, and the main
+   thread's CPU clock then */
+static uint64_t         wd_sig_seq;
+static uint64_t         wd_sig_cpu;
 static uint64_t         wd_logged_seq;
 
 
@@ -444,6 +448,16 @@ ngx_loom_wd_tick(void)
              * relabel it as a CPU sample
              */
 
+        } else if (state == 'R' && wd_sig_seq == s1 && n == 0
+                   && wd_load(&wd_req_offcpu) && wd_load(&wd_req_seq) == s1
+                   && wd_clock(wd_main_clock) < wd_sig_cpu + 5000000)
+        {
+            /*
+             * likewise for the off-CPU SIGPROF of a restartable call: the
+             * call returned, the hook has not run yet (the sample would
+             * lose the call's line)
+             */
+
         } else if (state == 'R') {
             wd_store(&wd_req_offcpu, 0);
             wd_store(&wd_req_seq, s1);
@@ -483,6 +497,8 @@ ngx_loom_wd_tick(void)
                            && n == 0)
                 {
                     if (pthread_kill(wd_main, SIGPROF) == 0) {
+                        wd_sig_seq = s1;
+                        wd_sig_cpu = wd_clock(wd_main_clock);
                         __atomic_fetch_add(&wd_stats.signals, 1,
                                            __ATOMIC_RELAXED);
                         pthread_mutex_lock(&wd_lock);
