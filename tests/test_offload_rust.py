@@ -315,6 +315,11 @@ class RuntimeSuite:
     def test_signals_stay_with_nginx(self, nginx):
         n = self.start(nginx, threads=4)
         pid = n.worker_pids()[0]
+        # the runtime starts its threads while the first calls are served:
+        # the last may still be on its way under load
+        deadline = time.time() + 10
+        while len(thread_names(pid)) < 1 + 4 and time.time() < deadline:
+            time.sleep(0.05)
         names = thread_names(pid)
         assert len(names) >= 1 + 4, names
         for tid in names:
