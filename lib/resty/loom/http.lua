@@ -75,9 +75,7 @@ end
 
 
 local SECONDS = options.above(0, MAX_SECONDS)
-local NON_EMPTY = options.test(function(v)
-    return type(v) == "string" and v ~= ""
-end, "a non-empty string")
+local NON_EMPTY = options.nonempty
 
 -- the options of new()
 local RULES = {

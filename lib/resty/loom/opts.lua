@@ -86,6 +86,14 @@ function _M.test(ok, what)
 end
 
 
+-- a string of at least one byte and any length (keys, tokens, passwords)
+function _M.is_nonempty(v)
+    return type(v) == "string" and v ~= ""
+end
+
+_M.nonempty = _M.test(_M.is_nonempty, "a non-empty string")
+
+
 -- one of the given strings: 'must be "a", "b" or "c"'
 function _M.one_of(...)
     local set, quoted = {}, {}

@@ -246,11 +246,6 @@ function _M.stats_all(timeout)
 end
 
 
-local function is_text(v)
-    return type(v) == "string" and v ~= ""
-end
-
-
 -- a project id, also a domain-scoped one (example.com:my-project)
 local function is_project(v)
     return type(v) == "string" and match(v, "^[%w][%w.:-]*$") ~= nil
@@ -282,7 +277,7 @@ local function url_rule(v)
 end
 
 
-local TEXT = options.test(is_text, "a non-empty string")
+local TEXT = options.nonempty
 
 -- every option new() takes
 local RULES = {

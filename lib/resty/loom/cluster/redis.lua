@@ -76,9 +76,7 @@ local RULES = {
     sentinels = options.test(is_sentinels,
                              "a list of 1 to 64 { host = ..., port = ... }"),
     master_name = options.text(255),
-    password = options.test(function(v)
-        return type(v) == "string" and v ~= ""
-    end, "a non-empty string"),
+    password = options.nonempty,
     db = options.whole(0, 65535),
     connect_timeout = options.number(0.001, 60),
 }

@@ -95,12 +95,8 @@ local function load_key(opts, label, level)
 end
 
 
-local function is_text(v)
-    return type(v) == "string" and v ~= ""
-end
-
-
-local TEXT = options.test(is_text, "a non-empty string")
+local is_text = options.is_nonempty
+local TEXT = options.nonempty
 local SECONDS = options.above(0, 86400)
 
 -- every option of the credentials table
