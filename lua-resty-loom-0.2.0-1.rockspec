@@ -58,6 +58,7 @@ build = {
          ["resty.loom.compat.events"] = "lib/resty/loom/compat/events.lua",
          ["resty.loom.compat.events_compat"] = "lib/resty/loom/compat/events_compat.lua",
          ["resty.loom.compat.worker_events"] = "lib/resty/loom/compat/worker_events.lua",
+         ["resty.loom.crc32c"] = "lib/resty/loom/crc32c.lua",
          ["resty.loom.error_handler"] = "lib/resty/loom/error_handler.lua",
          ["resty.loom.events"] = "lib/resty/loom/events.lua",
          ["resty.loom.events.broker"] = "lib/resty/loom/events/broker.lua",

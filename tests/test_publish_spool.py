@@ -497,8 +497,18 @@ location = /bad { content_by_lua_block {
         select(2, p:send("x", { loom_id = "mine" })),
         select(2, p:send("x", attrs)),
     }
+    -- the records' CRC32C: the loom module's equals the Lua one
+    local crc32c = require "resty.loom.crc32c"
+    local ffi = require "ffi"
+    local same = true
+    for len = 0, 2000, 7 do
+        local b = ffi.new("uint8_t[?]", len + 1)
+        for i = 0, len - 1 do b[i] = math.random(0, 255) end
+        same = same and crc32c.crc32c(b, len) == crc32c.lua(b, len)
+    end
     ngx.say(cjson.encode({ results = out, made = made, refused = refused,
-                           good = p and p:stats() or err }))
+                           good = p and p:stats() or err,
+                           crc = { native = crc32c.native, same = same } }))
 } }
 """
 
@@ -533,6 +543,7 @@ def test_bad_spool_options_are_refused_before_anything_is_made(
     good = out["good"]
     assert isinstance(good, dict) and good["spooled"] == 0, good
     assert os.path.isdir(spool_dir + "/bad")
+    assert out["crc"] == {"native": True, "same": True}
     # the id attribute is the spool's, and takes one of the 100
     assert out["refused"] == ["attribute key loom_id is reserved for the "
                               "spool's id", "too many attributes"]

@@ -12,10 +12,10 @@
 -- Layout: a 64-byte header, the publisher's name (to 8 bytes), records.
 -- A record: len (u32: key and message), crc (u32), magic (u8), state (u8:
 -- 0 live, 1 done), klen (u16), the ordering key, the message's JSON, zeros
--- to 8 bytes. The crc32 covers klen, key and message: it is zlib's (the
--- library nginx links for gzip), run through the FFI over the mapped
--- bytes at about 2 GB/s, without making a Lua string; ngx.crc32_long
--- gives the same value where zlib cannot be reached. The header's fill
+-- to 8 bytes. The crc is CRC32C (as Vector's disk buffer and LevelDB's
+-- log) over klen, key and message, computed on the mapped bytes without
+-- making a Lua string: by the loom module with SSE4.2's crc32 instruction
+-- (~0.15 us per 1.4 KB message), else by crc32c.lua. The header's fill
 -- (the end of the last complete record) is stored after each record: a
 -- worker killed in the middle of an append leaves the record out.
 
@@ -23,15 +23,15 @@
 local ffi = require "ffi"
 local bit = require "bit"
 local file = require "resty.loom.file"
+local crc32c = require "resty.loom.crc32c"
 
-local C = ffi.C
 local ffi_cast = ffi.cast
 local ffi_copy = ffi.copy
 local ffi_string = ffi.string
 local ngx_log = ngx.log
 local ngx_now = ngx.now
 local ngx_WARN = ngx.WARN
-local ngx_crc32_long = ngx.crc32_long
+local crc = crc32c.crc32c
 local band = bit.band
 local tohex = bit.tohex
 local floor = math.floor
@@ -63,8 +63,6 @@ typedef struct {
     uint16_t klen;
 } loom_spool_rec_t;
 ]])
-pcall(ffi.cdef, "unsigned long crc32(unsigned long crc, "
-                .. "const unsigned char *buf, unsigned int len);")
 
 local MAGIC = "loomspl"
 local VERSION = 1
@@ -86,42 +84,7 @@ local head_ptr = ffi.typeof("loom_spool_head_t *")
 local rec_ptr = ffi.typeof("loom_spool_rec_t *")
 
 
--- n = crc(p, len): zlib's crc32 of len bytes at p; CRC says whose
-local crc
-local zlib      -- a library loaded here (unloaded once collected)
-local CRC = "zlib, in nginx"
-do
-    local ok, fn = pcall(function() return C.crc32 end)
-    if not ok then
-        CRC = "zlib, loaded"
-        local lok, lib = pcall(ffi.load, "libz.so.1")
-        if lok then
-            zlib = lib
-            ok, fn = pcall(function() return zlib.crc32 end)
-        end
-    end
-    if not ok then
-        CRC = "ngx.crc32_long"
-    end
-    if ok then
-        crc = function(p, len)
-            return tonumber(fn(0, p, len))
-        end
-    else
-        crc = function(p, len)
-            return ngx_crc32_long(ffi_string(p, len))
-        end
-    end
-end
-
-
-local _M = {
-    _VERSION = "0.2.0",
-    REC = REC,
-    HEAD = HEAD,
-    zlib = zlib,        -- (held here, so that it stays loaded)
-    CRC = CRC,
-}
+local _M = { _VERSION = "0.2.0", REC = REC, HEAD = HEAD }
 
 
 local function align8(n)
