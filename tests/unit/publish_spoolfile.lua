@@ -19,8 +19,10 @@ for i = 0, 255 do
     end
     crc_table[i] = c
 end
+local clock = os.time()
 _G.ngx = {
-    now = os.time, WARN = 5, worker = { pid = function() return 1 end },
+    now = function() return clock end,
+    WARN = 5,
     log = function(_, ...) warnings[#warnings + 1] = table.concat({ ... }) end,
     crc32_long = function(s)
         local c = 0xFFFFFFFF
@@ -271,6 +273,33 @@ for round = 1, 200 do
     end
 end
 case("200 rounds of random damage: the reader always ends", true)
+
+-- a file is written for 20 s at most (then its pages could be written
+-- back to the disk while we store into them): then a new one
+do
+    local sp = new(9)
+    local m = msg(1)
+    local r1 = sf.append(sp, "", 0, ffi.cast("const char *", m), #m)
+    local first = sp.cur
+    clock = clock + 10
+    sf.age(sp)
+    local r2 = sf.append(sp, "", 0, ffi.cast("const char *", m), #m)
+    case("a file of 10 s is still written", sp.cur == first)
+    clock = clock + 11
+    sf.age(sp)
+    local r3 = sf.append(sp, "", 0, ffi.cast("const char *", m), #m)
+    case("one of 21 s is left for a new one", sp.cur ~= first
+         and #files(".spool") == 2)
+    sf.release(sp, r1)
+    case("... the old one kept while it holds a live record",
+         #files(".spool") == 2)
+    sf.release(sp, r2)
+    case("the old one removed once done (not kept as the spare)",
+         #files(".spool") == 1 and not sp.spare)
+    sf.release(sp, r3)
+    sf.close(sp)
+    case("closed with nothing live: no file left", #files(".spool") == 0)
+end
 
 -- a .tmp file of a dead writer is cleared
 do

@@ -140,6 +140,7 @@ local function tick(self)
     if self.exiting or self.closed then
         return false
     end
+    spoolfile.age(sp)
     for _ = 1, 16 do
         if not spoolfile.pending(sp) and not spoolfile.adopt_next(sp) then
             return false

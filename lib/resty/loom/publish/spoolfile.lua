@@ -75,6 +75,12 @@ local FID = 4294967296      -- a ref: file id * FID + offset
 local PAGE = 4096
 local NAME = "^(%x+)%-(%d+)%-(%d+)%-(%d+)%.(%l+)$"   -- tag-pid-ms-seq.ext
 local RETRY = 1             -- seconds between attempts at a new file
+-- A file of ours is written for at most this long (then a new one is
+-- made), below the kernel's default dirty_expire (30 s): a file whose
+-- pages stay dirty longer is written back to the disk while we store into
+-- it, and a store into a page under writeback may wait for the disk. A
+-- file deleted before that costs no disk I/O at all.
+local MAX_AGE = 20
 
 -- files made by this process: their number in its file names (two
 -- publishers of one name in a worker do not collide)
@@ -151,7 +157,9 @@ end
 -- a file done with: the spare for the next one when it is one of ours of
 -- the usual size, else removed
 local function retire(sp, f)
-    if not f.adopted and f.size == sp.file_bytes and not sp.spare then
+    if not f.adopted and f.size == sp.file_bytes and not sp.spare
+       and f.born + MAX_AGE > ngx_now()
+    then
         sp.spare = f
         if sp.cur == f then
             sp.cur = nil
@@ -215,6 +223,7 @@ local function create(sp, size)
     end
     if p then
         local f = { path = path, fd = fd, base = p, size = size, seq = seq,
+                    born = ngx_now(),
                     head = align8(HEAD + #sp.name), live = 0,
                     sealed = false, adopted = false }
         f.fill = f.head
@@ -248,6 +257,11 @@ local function roll(sp, need)
         return nil
     end
     local f = sp.spare
+    if f and f.born + MAX_AGE <= now then
+        sp.spare = nil
+        remove(sp, f)
+        f = nil
+    end
     if f and f.head + need <= f.size then
         -- an emptied file of ours: renamed, its pages already there
         sp.spare = nil
@@ -584,6 +598,26 @@ function _M.next_record(sp)
         if f.live == 0 then
             remove(sp, f)
         end
+    end
+end
+
+
+-- once a second: the file written to is left when it gets old (the next
+-- append makes a new one), and an old spare is removed (see MAX_AGE)
+function _M.age(sp)
+    local now = ngx_now()
+    local f = sp.cur
+    if f and f.born + MAX_AGE <= now then
+        f.sealed = true
+        sp.cur = nil
+        if f.live == 0 then
+            retire(sp, f)
+        end
+    end
+    f = sp.spare
+    if f and f.born + MAX_AGE <= now then
+        sp.spare = nil
+        remove(sp, f)
     end
 end
 
