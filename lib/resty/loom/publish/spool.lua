@@ -45,9 +45,9 @@ pcall(ffi.cdef, [[
 typedef struct { long tv_sec; long tv_nsec; } loom_spool_timespec_t;
 int loom_spool_clock_gettime(int clk, loom_spool_timespec_t *tp)
     __asm__("clock_gettime");
-long getrandom(void *buf, size_t len, unsigned int flags);
-unsigned int getuid(void);
 ]])
+pcall(ffi.cdef, "long getrandom(void *buf, size_t len, unsigned int flags);")
+pcall(ffi.cdef, "unsigned int getuid(void);")
 
 local LOG_TAG = "[loom.publish] "
 local REC = spoolfile.REC
@@ -195,7 +195,6 @@ function _M.setup(self, start)
                          max(65536, floor(max_bytes / 16 / 4096) * 4096)),
         warn_interval = self.warn_interval,
     })
-    sp.replayed = 0
     self.spool = sp
     if self.spool_mode == "always" then
         self.spool_always = sp

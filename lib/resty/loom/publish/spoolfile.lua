@@ -137,6 +137,7 @@ function _M.new(conf)
         -- figures
         bytes = 0,          -- live records, and adopted ones not yet read
         spooled = 0,
+        replayed = 0,       -- (counted by spool.lua)
         errors = 0,
     }
 end
