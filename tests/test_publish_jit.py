@@ -3,6 +3,10 @@ resty.loom.publish while messages are queued."""
 
 import http.client
 import os
+import shutil
+import tempfile
+
+import pytest
 
 
 def test_send_compiles_without_aborts(nginx):
@@ -42,23 +46,39 @@ def test_send_compiles_without_aborts(nginx):
                "publish.lua" in l for l in traces)
 
 
-def test_send_per_request_compiles(nginx):
+@pytest.fixture
+def spool_dir():
+    d = tempfile.mkdtemp(prefix="loom-jit-spool-")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.parametrize("spool", [None, "exit", "always"])
+def test_send_per_request_compiles(nginx, spool, spool_dir):
     """Called once per request, as in production: once warm, send() runs
     on compiled traces from its entry to its return; nothing in it or what
     it calls aborts a trace (a loop over the attributes did: the part of
-    send() before it, and its caller, ran interpreted)."""
+    send() before it, and its caller, ran interpreted). With a spool too:
+    its id attribute, and in "always" mode the append to the mapped file
+    (spool.lua, spoolfile.lua), are on the same trace."""
+    opts = ""
+    if spool:
+        opts = 'spool = "%s", spool_mode = "%s",' % (spool_dir, spool)
     n = nginx(workers=1, http="""
     init_worker_by_lua_block {
         P = require("resty.loom.publish").new({
-            project = "loom-proj", topic = "topic-1",
+            project = "loom-proj", topic = "topic-1", %s
             emulator_host = "127.0.0.1:9",      -- never reached
             batch_max_delay = 3600, buffer_max_messages = 1000000,
             buffer_max_bytes = 1e9, flush_timeout = 0.2 })
         DATA = string.rep("0123456789abcdef", 64)
-    }""", server="""
+    }""" % opts, server="""
     location = /jit { content_by_lua_block {
         require("jit.v").on(ngx.var.arg_log)
         ngx.say("on")
+    } }
+    location = /spooled { content_by_lua_block {
+        ngx.say(P:stats().spooled)
     } }
     location = /send { content_by_lua_block {
         local attrs = { host = "edge-1", path = ngx.var.uri,
@@ -79,6 +99,8 @@ def test_send_per_request_compiles(nginx):
     assert n.get("/jit?log=" + log).text.strip() == "on"
     send(6000)
     conn.close()
+    assert n.get("/spooled").text.strip() == (
+        "6000" if spool == "always" else "0")
     with open(log) as f:
         lines = f.read().splitlines()
     # send() (from its entry to its end) and what precedes it in the file
@@ -107,7 +129,8 @@ def test_send_per_request_compiles(nginx):
                                                         added_last)
     ours = [l for l in lines if l.startswith("[TRACE ---") and (
         in_send(l) or in_buffer(l)
-        or "base64.lua" in l or "json.lua" in l)]
+        or "base64.lua" in l or "json.lua" in l
+        or "spool.lua" in l or "spoolfile.lua" in l)]
     # no NYI and nothing blacklisted: that would leave send() interpreted
     assert [l for l in ours if "NYI" in l or "blacklist" in l] == [], ours
     # no loop in send() for up to four attributes (LuaJIT aborts a trace

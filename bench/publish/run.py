@@ -8,6 +8,9 @@ side by side and alternated A B C ... A B C ...:
   none          no publishing (the ceiling)
   loom-fake     resty.loom.publish to the fake Pub/Sub's fast mode, a C
                 sink that counts messages (tests/pubsub/sink.c, sink.py)
+  loom-spool    the same with a spool in "always" mode: every message is
+                appended to a mapped file before send() returns and marked
+                done once acknowledged (the files under the nginx prefix)
   naive-fake    one HTTP publish per request over a keep-alive cosocket,
                 waited for in the request (the "brute force" way)
   loom-emu      resty.loom.publish to Google's Pub/Sub emulator
@@ -22,7 +25,9 @@ publish requests per message, worker CPU (% of one core) and RSS. Medians
 per scenario go to bench/results/publish.json.
 
 Environment: BENCH_DURATION (10), BENCH_ROUNDS (3), BENCH_SCENARIOS
-(comma list), BENCH_CONNECTIONS (64).
+(comma list), BENCH_CONNECTIONS (64), BENCH_OUT (the file in bench/results/,
+publish.json). The spool's own run:
+BENCH_SCENARIOS=none,loom-fake,loom-spool BENCH_OUT=publish-spool.json
 """
 
 import json
@@ -49,6 +54,10 @@ CONNECTIONS = int(os.environ.get("BENCH_CONNECTIONS", "64"))
 SCENARIOS = os.environ.get(
     "BENCH_SCENARIOS", "none,loom-fake,naive-fake,loom-emu,naive-emu"
 ).split(",")
+OUT = os.environ.get("BENCH_OUT", "publish.json")
+PATHS = {"none": "/none", "loom-fake": "/loom", "loom-emu": "/loom",
+         "loom-spool": "/loom-spool", "naive-fake": "/naive",
+         "naive-emu": "/naive"}
 PROJECT = "bench-proj"
 TOPIC = "bench-topic"
 
@@ -67,6 +76,17 @@ init_worker_by_lua_block {
         BENCH.p = publish.new({
             project = conf.project, topic = conf.topic,
             emulator_host = conf.sink,
+            on_success = function(ids) shm:incr("acked", #ids, 0) end,
+            on_error = function(msgs, reason)
+                shm:incr("failed", #msgs, 0)
+                ngx.log(ngx.WARN, "bench publish failed: ", reason)
+            end,
+        })
+        -- the same publisher with a spool in "always" mode
+        BENCH.ps = publish.new({
+            project = conf.project, topic = conf.topic, name = "spooled",
+            emulator_host = conf.sink,
+            spool = conf.spool, spool_mode = "always",
             on_success = function(ids) shm:incr("acked", #ids, 0) end,
             on_error = function(msgs, reason)
                 shm:incr("failed", #msgs, 0)
@@ -108,6 +128,20 @@ location = /loom {
         ngx.say("ok")
     }
 }
+location = /loom-spool {
+    content_by_lua_block {
+        local attrs = { host = "edge-1", path = ngx.var.uri,
+                        seq = tostring(ngx.var.connection_requests) }
+        local ok, err = BENCH.ps:send(BENCH.data, attrs)
+        if ok then
+            ngx.shared.bench:incr("accepted", 1, 0)
+        else
+            ngx.shared.bench:incr("rejected", 1, 0)
+            ngx.status = 503
+        end
+        ngx.say("ok")
+    }
+}
 location = /naive {
     content_by_lua_block {
         local attrs = { host = "edge-1", path = ngx.var.uri,
@@ -130,11 +164,15 @@ location = /counters {
     content_by_lua_block {
         local shm = ngx.shared.bench
         local st = BENCH.p and BENCH.p:stats() or {}
+        local ss = BENCH.ps and BENCH.ps:stats() or {}
         ngx.say(require("cjson").encode({
             acked = shm:get("acked") or 0, failed = shm:get("failed") or 0,
             accepted = shm:get("accepted") or 0,
             rejected = shm:get("rejected") or 0,
-            buffered = st.buffered_messages or 0 }))
+            buffered = (st.buffered_messages or 0)
+                       + (ss.buffered_messages or 0),
+            spooled = ss.spooled or 0, spool_errors = ss.spool_errors or 0,
+            spool_bytes = ss.spool_bytes or 0 }))
     }
 }
 """
@@ -184,7 +222,8 @@ def counters(n):
 
 
 def start_nginx(sink):
-    conf = json.dumps({"sink": sink, "project": PROJECT, "topic": TOPIC})
+    conf = json.dumps({"sink": sink, "project": PROJECT, "topic": TOPIC,
+                       "spool": "$PREFIX/spool"})
     n = Nginx(workers=2, http=HTTP % {"conf": conf}, server=SERVER,
               error_log_level="warn", worker_connections=4096)
     n.start()
@@ -192,8 +231,7 @@ def start_nginx(sink):
 
 
 def run_one(name, n, sink_obj):
-    path = "/none" if name == "none" else (
-        "/loom" if name.startswith("loom") else "/naive")
+    path = PATHS[name]
     pids = n.worker_pids()
     before = counters(n)
     fake_before = sink_obj.stats() if isinstance(sink_obj, FastSink) \
@@ -225,6 +263,9 @@ def run_one(name, n, sink_obj):
     acked = after["acked"] - before["acked"]
     if name.startswith("loom") and not isinstance(sink_obj, FastSink):
         res["lost"] = (after["accepted"] - before["accepted"]) - acked
+    if name == "loom-spool":
+        # (counted per worker: the nginx has 2; one answers /counters)
+        res["spool_errors"] = after["spool_errors"]
     res.update({
         "scenario": name,
         "acked_messages": acked,
@@ -233,6 +274,10 @@ def run_one(name, n, sink_obj):
         "rejected_sends": after["rejected"] - before["rejected"],
         "worker_cpu_pct": 100.0 * (ticks1 - ticks0)
         / os.sysconf("SC_CLK_TCK") / elapsed,
+        # the workers' CPU per request: less sensitive than req/s to what
+        # else runs on the machine
+        "worker_cpu_us_per_request": 1e6 * (ticks1 - ticks0)
+        / os.sysconf("SC_CLK_TCK") / max(res["requests"], 1),
         "worker_rss_kb": rss_kb(pids),
     })
     if fake_before:
@@ -323,7 +368,7 @@ def summarise(runs):
             if not r.get(k):
                 r[k] = None
     keys = ["rps", "p50_ms", "p99_ms", "acked_per_s", "worker_cpu_pct",
-            "sink_cpu_pct",
+            "worker_cpu_us_per_request", "sink_cpu_pct",
             "http_requests_per_message", "lost", "non2xx"]
     medians = {}
     for s in SCENARIOS:
@@ -345,6 +390,26 @@ def summarise(runs):
             if m.get("p99_ms") is not None:
                 m["p99_minus_none_ms"] = \
                     m["p99_ms"] - medians["none"]["p99_ms"]
+    mem = medians.get("loom-fake", {}).get("rps")
+    if mem and "loom-spool" in medians:
+        m = medians["loom-spool"]
+        m["rps_vs_memory"] = m["rps"] / mem
+        # and per round: the spool's run against the memory-only run next
+        # to it (the machine's load moves less within a round)
+        ratios = []
+        for r in runs:
+            if r["scenario"] == "loom-spool":
+                a = [x for x in runs if x["scenario"] == "loom-fake"
+                     and x["round"] == r["round"]]
+                if a:
+                    ratios.append(r["rps"] / a[0]["rps"])
+        if ratios:
+            m["rps_vs_memory_per_round"] = ratios
+            m["rps_vs_memory_round_median"] = statistics.median(ratios)
+        cpu = medians["loom-fake"].get("worker_cpu_us_per_request")
+        if cpu and m.get("worker_cpu_us_per_request"):
+            m["cpu_per_request_vs_memory"] = \
+                m["worker_cpu_us_per_request"] / cpu
     return medians
 
 
@@ -367,7 +432,7 @@ def write(runs, notes, date=None):
         "runs": runs,
     }
     os.makedirs(os.path.join(ROOT, "bench", "results"), exist_ok=True)
-    path = os.path.join(ROOT, "bench", "results", "publish.json")
+    path = os.path.join(ROOT, "bench", "results", OUT)
     with open(path, "w") as f:
         json.dump(out, f, indent=2)
     print(json.dumps(medians, indent=2))
@@ -382,8 +447,7 @@ if __name__ == "__main__":
     args = ap.parse_args()
     if args.summarise is not None:
         # recompute the medians of bench/results/publish.json
-        with open(os.path.join(ROOT, "bench", "results",
-                               "publish.json")) as f:
+        with open(os.path.join(ROOT, "bench", "results", OUT)) as f:
             old = json.load(f)
         notes = old["notes"] + args.summarise
         write(old["runs"], notes, old["date"])
@@ -392,5 +456,5 @@ if __name__ == "__main__":
         # per run: nginx start, wrk, counting; the emulator starts per round
         benchcli.announce(__doc__, ROUNDS * (
             len(SCENARIOS) * (DURATION + 6) + bool(emu) * 25),
-            "bench/results/publish.json")
+            "bench/results/" + OUT)
         main()

@@ -22,11 +22,12 @@ rm -rf "$PREFIX/conf"
 mkdir -p "$PREFIX/conf/conf.d" "$PREFIX/logs"
 # the bus socket's directory: `nginx -t` binds the socket before Lua runs
 mkdir -p -m 0700 "$PREFIX/sock"
-# the configuration the gateway keeps across reloads; its workers write it
-mkdir -p "$PREFIX/state"
+# the configuration the gateway keeps across reloads, and the publisher's
+# spool: its workers write them
+mkdir -p "$PREFIX/state" "$PREFIX/spool"
 if [ "$(id -u)" = 0 ]; then
     read -r WORKER WORKER_GROUP <<< "${LOOM_GATEWAY_USER:-nobody}"
-    chown "$WORKER" "$PREFIX/state"
+    chown "$WORKER" "$PREFIX/state" "$PREFIX/spool"
 fi
 render "$ROOT/examples/gateway/nginx.conf" "$PREFIX/conf/nginx.conf"
 for f in "$ROOT"/examples/gateway/conf.d/*.conf; do
@@ -47,7 +48,8 @@ fi
 # a gateway that starts and then fails on every worker.
 if [ "$(id -u)" = 0 ] && ! setpriv --reuid="$WORKER" \
         --regid="${WORKER_GROUP:-$(id -gn "$WORKER")}" --clear-groups \
-        test -r "$ROOT/lib/resty/loom/events.lua" -a -w "$PREFIX/state"
+        test -r "$ROOT/lib/resty/loom/events.lua" -a -w "$PREFIX/state" \
+        -a -w "$PREFIX/spool"
 then
     echo "the workers run as $WORKER and cannot read $ROOT or write" \
          "$PREFIX (a private parent directory?); put the checkout" \

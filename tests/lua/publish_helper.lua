@@ -51,7 +51,11 @@ function _M.init_worker(conf_json)
     end
     conf.record_ids = nil
     conf.err_file = nil
-    p = publish.new(conf)
+    local err
+    p, err = publish.new(conf)
+    if not p then
+        ngx.log(ngx.ERR, "publish_helper: ", err)
+    end
 end
 
 

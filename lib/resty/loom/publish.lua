@@ -7,9 +7,11 @@
 -- per ordering key at a time; a pool of light threads in one timer sends
 -- them over keep-alive connections, retrying transient failures with
 -- backoff and jitter until a deadline. On worker exit (QUIT, HUP reload) the
--- buffer is flushed within a time budget and whatever is left is reported.
+-- buffer is flushed within a time budget and whatever is left is reported,
+-- or, with a spool, written to disk and sent by a later worker.
 -- The parts, in publish/: buffer.lua (the accepted messages), sender.lua,
--- report.lua (callbacks, warnings), shutdown.lua, stats.lua, auth.lua.
+-- report.lua (callbacks, warnings), shutdown.lua, stats.lua, auth.lua,
+-- spool.lua and spoolfile.lua (the spool).
 
 
 local semaphore = require "ngx.semaphore"
@@ -22,6 +24,7 @@ local buffer = require "resty.loom.publish.buffer"
 local sender = require "resty.loom.publish.sender"
 local shutdown = require "resty.loom.publish.shutdown"
 local stats = require "resty.loom.publish.stats"
+local spool = require "resty.loom.publish.spool"
 local options = require "resty.loom.opts"
 
 local ngx_now = ngx.now
@@ -34,9 +37,11 @@ local fifo_new = buffer.fifo_new
 local batch_for = buffer.batch_for
 local added = buffer.added
 local start = sender.start
+local spool_put = spool.put
 local parse_url = http.parse_url
 local sub = string.sub
 local match = string.match
+local gsub = string.gsub
 local floor = math.floor
 local min = math.min
 local type = type
@@ -55,6 +60,7 @@ local MAX_ORDERING_KEY_BYTES = 1024
 local ENVELOPE = #'{"messages":[]}'
 local MAX_SECONDS = 86400
 local DEFAULT_ENDPOINT = "https://pubsub.googleapis.com"
+local ID_KEY = "loom_id"          -- the spool's id attribute
 
 -- every publisher of this worker by name: for the stats collector and
 -- init_worker()
@@ -67,18 +73,22 @@ local mt = { __index = _M }
 
 -- Encodes the attribute after key k of t (the first for k == nil) into s,
 -- as the count-th one. Returns its key; nil when there is none left, or
--- nil and why the attribute is refused.
-local function put_next_attribute(s, t, k, count)
+-- nil and why the attribute is refused. With a spool (idp), its id takes
+-- one attribute and its key.
+local function put_next_attribute(s, t, k, count, idp)
     local v
     k, v = next(t, k)
     if k == nil then
         return nil
     end
-    if count > MAX_ATTRIBUTES then
+    if count > MAX_ATTRIBUTES or (idp and count == MAX_ATTRIBUTES) then
         return nil, "too many attributes"
     end
     if type(k) ~= "string" then
         return nil, "attribute key must be a string"
+    end
+    if idp and k == ID_KEY then
+        return nil, "attribute key loom_id is reserved for the spool's id"
     end
     local klen = #k
     if klen == 0 or klen > MAX_KEY_BYTES then
@@ -140,6 +150,7 @@ function _M.send(self, data, attributes, ordering_key)
     s:reset()
     s:put(',{')
     local comma = ""
+    local idp = self.id_prefix      -- with a spool: ids are given
     if attributes ~= nil then
         if type(attributes) ~= "table" then
             return nil, "attributes must be a table"
@@ -147,25 +158,28 @@ function _M.send(self, data, attributes, ordering_key)
         -- the first four attributes without a loop: LuaJIT aborts a trace
         -- that meets an inner loop, so a loop would leave send() and its
         -- caller interpreted up to it (more attributes still take it)
-        local k, err = put_next_attribute(s, attributes, nil, 1)
+        local k, err = put_next_attribute(s, attributes, nil, 1, idp)
         if k ~= nil then
-            k, err = put_next_attribute(s, attributes, k, 2)
+            k, err = put_next_attribute(s, attributes, k, 2, idp)
         end
         if k ~= nil then
-            k, err = put_next_attribute(s, attributes, k, 3)
+            k, err = put_next_attribute(s, attributes, k, 3, idp)
         end
         if k ~= nil then
-            k, err = put_next_attribute(s, attributes, k, 4)
+            k, err = put_next_attribute(s, attributes, k, 4, idp)
         end
         local count = 4
         while k ~= nil do
             count = count + 1
-            k, err = put_next_attribute(s, attributes, k, count)
+            k, err = put_next_attribute(s, attributes, k, count, idp)
         end
         if err then
             return nil, err
         end
         if #s > 2 then          -- more than the leading ',{'
+            if idp then
+                s:put(',"loom_id":"', idp, self.id_seq + 1, '"')
+            end
             s:put('}')
             comma = ","
         end
@@ -176,6 +190,11 @@ function _M.send(self, data, attributes, ordering_key)
     local tail = self.scratch_tail
     tail:reset()
     if dlen > 0 then
+        if idp and comma == "" then
+            -- the spool's id as the only attribute
+            s:put('"attributes":{"loom_id":"', idp, self.id_seq + 1, '"}')
+            comma = ","
+        end
         s:put(comma, '"data":"')
         b64len = floor((dlen + 2) / 3) * 4
         tail:put('"')
@@ -208,6 +227,14 @@ function _M.send(self, data, attributes, ordering_key)
     end
     out:put(tail)
     added(self, b, len, now)
+    if idp then
+        self.id_seq = self.id_seq + 1
+        local sp = self.spool_always
+        if sp then
+            -- in the spool before send() returns: a few stores
+            spool_put(sp, b, key, out, len)
+        end
+    end
     if not self.running then
         local ok, err = start(self)
         if not ok then
@@ -308,6 +335,12 @@ local RULES = {
     on_error = options.func,
     user_project = TEXT,
     name = TEXT,
+    spool = options.test(function(v)
+        return type(v) == "string" and sub(v, 1, 1) == "/" and #v <= 3000
+               and not match(v, "%z")
+    end, "an absolute path (a directory)"),
+    spool_mode = options.one_of("exit", "always"),
+    spool_max_bytes = options.whole(65536, 1e12),
 }
 
 
@@ -365,6 +398,28 @@ function _M.new(opts)
     -- the last check, and the first thing that stays (a shared credential)
     local cred = auth.new(cred_opts, "opts.credentials", 2)
     local user_project = opts.user_project
+    local spool_dir = opts.spool
+    if spool_dir == nil and (opts.spool_mode ~= nil
+                             or opts.spool_max_bytes ~= nil)
+    then
+        error("opts.spool is required with opts.spool_mode or "
+              .. "opts.spool_max_bytes", 2)
+    end
+    local phase = ngx.get_phase()
+    if spool_dir then
+        spool_dir = gsub(spool_dir, "/+$", "")
+        if spool_dir == "" then
+            spool_dir = "/"
+        end
+        if phase ~= "init" then
+            -- in a worker, as the workers' user (in init, the master may
+            -- run as root: publish.init_worker() checks)
+            local ok, err = spool.check_dir(spool_dir)
+            if not ok then
+                return nil, err
+            end
+        end
+    end
 
     local self = {
         name = opts.name or (project .. "/" .. topic),
@@ -412,6 +467,17 @@ function _M.new(opts)
         run_fn = sender.run,
         exit_fn = sender.exit_watch,
         trouble = nil,           -- failures since the last warning
+        -- the spool (spool.lua): its options, its files once set up in
+        -- a worker, the ids given to messages
+        spool_dir = spool_dir,
+        spool_mode = spool_dir and (opts.spool_mode or "exit"),
+        spool_max_bytes = opts.spool_max_bytes or 256 * 1024 * 1024,
+        spool = nil,
+        spool_always = nil,      -- the spool, in always mode
+        id_prefix = nil,
+        id_seq = 0,
+        kept = {},               -- batches cut at exit, for the spool
+        spool_setup_errors = 0,
         -- figures
         queued_messages = 0,
         queued_bytes = 0,
@@ -429,7 +495,9 @@ function _M.new(opts)
         latency = histogram.new(),
     }
     setmetatable(self, mt)
-    local phase = ngx.get_phase()
+    if phase ~= "init" and spool_dir then
+        spool.setup(self, start)
+    end
     if phase ~= "init" then
         local ok, err = self.cred:start()
         if not ok then
@@ -452,8 +520,22 @@ function _M.exit_worker()
 end
 
 
--- in init_worker, for publishers made in init: starts token refreshers
+-- in init_worker, for publishers made in init: sets up their spools (a
+-- spool that cannot be used is logged and counted: the publisher goes on
+-- from memory) and starts their token refreshers
 function _M.init_worker()
+    for _, p in pairs(publishers) do
+        if p.spool_dir and not p.spool then
+            local ok, err = spool.check_dir(p.spool_dir)
+            if ok then
+                spool.setup(p, start)
+            else
+                p.spool_setup_errors = p.spool_setup_errors + 1
+                ngx_log(ngx_ERR, LOG_TAG, p.name, ": ", err,
+                        "; publishing from memory only")
+            end
+        end
+    end
     for _, p in pairs(publishers) do
         local ok, err = p.cred:start()
         if not ok then

@@ -391,6 +391,10 @@ local function map_publish(per_name)
             batches_total = p.batches,
             http_requests_total = p.http_requests,
             token_refreshes_total = p.token_refreshes,
+            spooled_total = p.spooled,
+            replayed_total = p.replayed,
+            spool_bytes = p.spool_bytes,
+            spool_errors_total = p.spool_errors,
         }
         -- (merged figures, without a bus, have no buckets)
         if p.latency_buckets then

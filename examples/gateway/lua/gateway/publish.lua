@@ -1,6 +1,9 @@
 -- The example gateway's publisher: one topic on the Pub/Sub emulator named
 -- by PUBSUB_EMULATOR_HOST (the topic is created at start). Without the
 -- variable the gateway runs and GET /loom/publish says publishing is off.
+-- What it accepts is in a spool, <prefix>/spool, before send() returns
+-- (spool_mode "always"): a stop, a reload or a crashed worker loses none
+-- of it, the next worker sends it.
 
 
 local cjson = require "cjson.safe"
@@ -47,16 +50,26 @@ function _M.init_worker()
         ngx.log(ngx.NOTICE, "[gateway.publish] ", off_reason)
         return
     end
-    p = publish.new({
+    local opts = {
         project = PROJECT,
         topic = TOPIC,
         emulator_host = emulator,
         batch_max_delay = 0.05,
+        spool = ngx.config.prefix() .. "spool",
+        spool_mode = "always",
         on_error = function(msgs, reason)
             ngx.log(ngx.WARN, "[gateway.publish] ", #msgs,
                     " messages failed: ", reason)
         end,
-    })
+    }
+    local err
+    p, err = publish.new(opts)
+    if not p then
+        -- (run.sh makes the directory the workers'): publish from memory
+        ngx.log(ngx.WARN, "[gateway.publish] ", err, "; no spool")
+        opts.spool, opts.spool_mode = nil, nil
+        p = publish.new(opts)
+    end
     if ngx.worker.id() == 0 then
         ngx.timer.at(0, create_topic)
     end

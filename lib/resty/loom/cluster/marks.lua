@@ -16,12 +16,13 @@
 
 local ffi = require "ffi"
 local bit = require "bit"
+-- declares open, lseek, ftruncate, mmap, kill ... (one place for them)
+local file = require "resty.loom.file"
 
 local C = ffi.C
 local ffi_cast = ffi.cast
 local ffi_copy = ffi.copy
 local ffi_string = ffi.string
-local ffi_errno = ffi.errno
 local band = bit.band
 local bxor = bit.bxor
 local tobit = bit.tobit
@@ -29,18 +30,6 @@ local crc32 = ngx.crc32_short
 local floor = math.floor
 local tonumber = tonumber
 
-pcall(ffi.cdef, [[
-int open(const char *path, int flags, ...);
-int close(int fd);
-long lseek(int fd, long offset, int whence);
-int ftruncate(int fd, long length);
-int unlink(const char *path);
-void *mmap(void *addr, size_t length, int prot, int flags, int fd,
-           long offset);
-int munmap(void *addr, size_t length);
-int kill(int pid, int sig);
-char *strerror(int errnum);
-]])
 
 ffi.cdef [[
 typedef struct {
@@ -73,7 +62,6 @@ local MAX_KEY = 255
 local O_RDWR, O_CREAT, O_CLOEXEC = 2, 64, 524288
 local SEEK_END = 2
 local PROT_RW, MAP_SHARED = 3, 1
-local ESRCH = 3
 
 local head_ptr = ffi.typeof("loom_marks_head_t *")
 local region_ptr = ffi.typeof("loom_marks_region_t *")
@@ -87,11 +75,7 @@ local _M = {
     NODE = 2,           -- one event handled once per node
 }
 
-local function syserr(what, path)
-    local e = ffi_errno()
-    return "failed to " .. what .. " " .. path .. ": "
-           .. ffi_string(C.strerror(e))
-end
+local syserr = file.syserr
 
 
 local function check(kind, key, value)
@@ -206,9 +190,7 @@ local function each_record(store, r, fn)
 end
 
 
-local function alive(pid)
-    return C.kill(pid, 0) == 0 or ffi_errno() ~= ESRCH
-end
+local alive = file.alive
 
 
 -- worker `slot` (pid `pid`) takes one of its slot's two regions: one no

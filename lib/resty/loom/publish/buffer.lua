@@ -1,13 +1,17 @@
 -- The buffer of a publisher's accepted messages, queued and in flight: a
 -- queue of batches per ordering key (each the JSON of its messages in a
 -- string.buffer), its bounds and overflow, and the hand-over of batches to
--- the senders (next_batch, take, landed, settle).
+-- the senders (next_batch, take, landed, settle). With a spool, a batch's
+-- refs say where each message is in it; batches read back from it go
+-- before their key's messages (replay_batch).
 
 
 local report = require "resty.loom.publish.report"
+local spoolfile = require "resty.loom.publish.spoolfile"
 
 local buf_new = require("string.buffer").new
 local report_failure = report.failure
+local release = spoolfile.release
 local min = math.min
 local floor = math.floor
 local tab_new = require "table.new"
@@ -86,7 +90,8 @@ local function seal(self, b)
 end
 
 
-local function new_batch(self, q, now)
+-- a batch for queue q; put in it with fifo_push() or a replay's place
+local function make_batch(self, q, now, refs)
     local free = self.free_bufs
     local nfree = #free
     local buf
@@ -97,11 +102,13 @@ local function new_batch(self, q, now)
         buf = buf_new(BATCH_START_BYTES)
     end
     local cap = min(self.batch_max_messages, BATCH_START_MESSAGES)
-    local b = {
+    return {
         q = q,
         buf = buf,
         lens = tab_new(cap, 0),
         times = tab_new(cap, 0),
+        -- where each message is in the spool (always mode, replays)
+        refs = refs and tab_new(cap, 0) or nil,
         head = 1,
         total = 0,          -- messages ever added (index of the last)
         n = 0,              -- live messages
@@ -109,7 +116,13 @@ local function new_batch(self, q, now)
         t0 = now,
         sealed = false,
         dead = false,
+        replay = false,     -- read back from the spool
     }
+end
+
+
+local function new_batch(self, q, now)
+    local b = make_batch(self, q, now, self.spool_always)
     fifo_push(q.batches, b)
     q.open = b
     fifo_push(self.opening, b)
@@ -132,6 +145,11 @@ local function drop_one(self, q)
     b.buf:skip(len)
     b.lens[h] = nil
     b.times[h] = nil
+    local refs = b.refs
+    if refs and refs[h] then
+        release(self.spool, refs[h])
+        refs[h] = nil
+    end
     b.head = h + 1
     b.n = b.n - 1
     b.bytes = b.bytes - len
@@ -160,10 +178,15 @@ function _M.batch_for(self, key, len, now)
         return nil, "ordering key paused"
     end
 
-    -- buffer bounds: everything not yet acknowledged counts
+    -- buffer bounds: everything not yet acknowledged counts (and, in
+    -- the spool's always mode, its bytes: records of about len + #key)
     local msgs = self.queued_messages + self.inflight_messages + 1
     local bytes = self.queued_bytes + self.inflight_bytes + len
-    if msgs > self.buffer_max_messages or bytes > self.buffer_max_bytes then
+    local sp = self.spool_always
+    local extra = len + #key + 20
+    if msgs > self.buffer_max_messages or bytes > self.buffer_max_bytes
+       or (sp and sp.bytes + extra > sp.max)
+    then
         if self.overflow ~= "drop_oldest" then
             self.rejected = self.rejected + 1
             return nil, "buffer full"
@@ -178,6 +201,7 @@ function _M.batch_for(self, key, len, now)
             bytes = self.queued_bytes + self.inflight_bytes + len
         until msgs <= self.buffer_max_messages
               and bytes <= self.buffer_max_bytes
+              and not (sp and sp.bytes + extra > sp.max)
     end
 
     q = q or get_queue(self, key)
@@ -283,6 +307,15 @@ local function fail_queued(self, q, reason)
             n = n + b.n
             self.queued_messages = self.queued_messages - b.n
             self.queued_bytes = self.queued_bytes - b.bytes
+            -- reported: out of the spool
+            local refs = b.refs
+            if refs then
+                for i = b.head, b.total do
+                    if refs[i] then
+                        release(self.spool, refs[i])
+                    end
+                end
+            end
             b.buf:skip(1)
             report_failure(self, q, '{"messages":['
                            .. b.buf:tostring() .. ']}', b.n, reason, 0, nil)
@@ -409,8 +442,46 @@ function _M.settle(self, q, bytes)
 end
 
 
+-- A batch for messages of ordering key `key` read back from the spool:
+-- it goes after the key's earlier replays and before its other batches
+-- (sent or not, its messages are older). Filled with replayed(), then
+-- sealed.
+function _M.replay_batch(self, key, now)
+    local q = get_queue(self, key)
+    local b = make_batch(self, q, now, true)
+    b.replay = true
+    local f = q.batches
+    local at = f.first
+    while at <= f.last and f[at].replay do
+        at = at + 1
+    end
+    for i = f.last, at, -1 do
+        f[i + 1] = f[i]
+    end
+    f[at] = b
+    f.last = f.last + 1
+    return b
+end
+
+
+-- counts the message of len bytes (its leading comma included) just
+-- written into replay batch b, from spool record ref
+function _M.replayed(self, b, len, now, ref)
+    local total = b.total + 1
+    b.total = total
+    b.lens[total] = len
+    b.times[total] = now
+    b.refs[total] = ref
+    b.n = b.n + 1
+    b.bytes = b.bytes + len
+    self.queued_messages = self.queued_messages + 1
+    self.queued_bytes = self.queued_bytes + len
+end
+
+
 _M.fifo_new = fifo_new
 _M.fail_queued = fail_queued
+_M.seal = seal
 
 
 return _M

@@ -8,6 +8,7 @@ local cjson = require "cjson.safe"
 local buffer = require "resty.loom.publish.buffer"
 local report = require "resty.loom.publish.report"
 local shutdown = require "resty.loom.publish.shutdown"
+local spool = require "resty.loom.publish.spool"
 local error_handler = require("resty.loom.error_handler").handler
 
 local ngx_now = ngx.now
@@ -32,6 +33,9 @@ local report_failure = report.failure
 local note_trouble = report.note_trouble
 local note_recovery = report.note_recovery
 local abandon = shutdown.abandon
+local spool_done = spool.done
+local spool_feed = spool.feed
+local spool_keep = spool.keep
 local sub = string.sub
 local tostring = tostring
 local random = math.random
@@ -227,6 +231,9 @@ local function dispatch(self, b)
         for i = b.head, b.total do
             hist:record(now - times[i])
         end
+        if self.spool then
+            spool_done(self, b)
+        end
         if self.on_success then
             local t = json_decode(res.body)
             local ids = type(t) == "table" and t.messageIds or {}
@@ -237,9 +244,19 @@ local function dispatch(self, b)
             })
         end
 
+    elseif self.spool and self.exiting and outcome ~= "fatal" then
+        -- cut by the exit budget: kept for the spool (run() writes it),
+        -- not reported; it may have arrived
+        b.body = body
+        local kept = self.kept
+        kept[#kept + 1] = b
+
     else
         note_trouble(self, reason, n)
         report_failure(self, q, body, n, reason, attempts, status)
+        if self.spool then
+            spool_done(self, b)
+        end
         if q.key ~= "" and not self.exiting then
             pause(self, q, reason)
         end
@@ -247,6 +264,10 @@ local function dispatch(self, b)
     -- the body is garbage now: settle() may have the collector take it
     body = nil      -- luacheck: ignore
     settle(self, q, bytes)
+    if self.spool then
+        -- room in the buffer: read on in the files adopted
+        spool_feed(self)
+    end
 end
 
 
@@ -323,7 +344,10 @@ local function run(premature, self)
     end
     if self.exiting then
         local left = self.queued_messages
-        if left > 0 then
+        if self.spool then
+            -- what is left goes to the spool (reported when it cannot)
+            spool_keep(self)
+        elseif left > 0 then
             left = abandon(self)
             ngx_log(ngx_ERR, LOG_TAG, self.name, ": ", left,
                     " messages not delivered at worker exit")

@@ -5,6 +5,7 @@
 
 local buffer = require "resty.loom.publish.buffer"
 local report = require "resty.loom.publish.report"
+local spool = require "resty.loom.publish.spool"
 local at_close = require "resty.loom.at_close"
 
 local ngx_log = ngx.log
@@ -38,6 +39,13 @@ end
 -- Reports and forgets everything this publisher still holds, queued or in
 -- flight. For exit_worker(): nothing can be sent any more.
 local function report_at_exit(self)
+    if self.spool then
+        -- written to the spool (reported when it cannot)
+        if not self.closed then
+            spool.keep(self)
+        end
+        return
+    end
     local queued, unconfirmed = 0, 0
     for _, q in pairs(self.queues) do
         queued = queued + fail_queued(self, q, "worker exiting: not sent")
@@ -68,6 +76,10 @@ local function unreported_at_close()
     local names = {}
     for p in pairs(living) do
         local held = p.queued_messages + p.inflight_messages
+        if p.spool then
+            -- those in its files are not lost
+            held = held - spool.in_files(p)
+        end
         if held > 0 then
             n = n + held
             names[#names + 1] = p.name

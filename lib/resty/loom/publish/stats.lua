@@ -42,6 +42,7 @@ end
 
 -- this worker's figures of publisher self
 function _M.worker(self)
+    local sp = self.spool
     return {
         name = self.name,
         topic = self.topic,
@@ -62,6 +63,11 @@ function _M.worker(self)
         connections = self.client.connects,
         latency = self.latency:summary(),
         token_refreshes = self.cred:refresh_count(),
+        -- the spool (0 without one)
+        spooled = sp and sp.spooled or 0,
+        replayed = sp and sp.replayed or 0,
+        spool_bytes = sp and sp.bytes or 0,
+        spool_errors = (sp and sp.errors or 0) + self.spool_setup_errors,
     }
 end
 
@@ -69,7 +75,8 @@ end
 local SUM_FIELDS = {
     "buffered_messages", "buffered_bytes", "queued_messages", "in_flight",
     "in_flight_messages", "sent", "failed", "retried", "dropped",
-    "rejected", "batches", "http_requests", "connections",
+    "rejected", "batches", "http_requests", "connections", "spooled",
+    "replayed", "spool_bytes", "spool_errors",
 }
 
 
