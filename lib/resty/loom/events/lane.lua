@@ -15,6 +15,7 @@ local ngx = ngx
 local ngx_now = ngx.now
 local spawn = ngx.thread.spawn
 local kill = ngx.thread.kill
+local worker_exiting = ngx.worker.exiting
 local buf_new = buffer.new
 local pcall = pcall
 local log = evlog.log
@@ -69,7 +70,14 @@ local function run_lane(self, lane)
     local ok, err = handshake(self, sock, true)
     if not ok then
         sock:close()
+        -- at a quit the master removes the socket file before the workers
+        -- hear of it: a lane that fails then goes with its connection
+        -- (which ends and closes the lane) and is no news
         if not lane.closed then
+            lane.sema:wait(1)
+        end
+        if not lane.closed and not self.stopping and not worker_exiting()
+        then
             warn_once(self, "lane", "failed to open the lane (collect "
                       .. "goes with the events): ", err)
         end
