@@ -72,6 +72,18 @@ init_worker_by_lua_block {
     -- one constant 1 KiB payload: per-request payload strings that differ
     -- only in a counter would measure LuaJIT's string hash, not us
     BENCH.data = string.rep("0123456789abcdef", 64)
+    -- one request: one message to publisher p
+    function BENCH.send(p)
+        local attrs = { host = "edge-1", path = ngx.var.uri,
+                        seq = tostring(ngx.var.connection_requests) }
+        if p:send(BENCH.data, attrs) then
+            shm:incr("accepted", 1, 0)
+        else
+            shm:incr("rejected", 1, 0)
+            ngx.status = 503
+        end
+        ngx.say("ok")
+    end
     if conf.sink then
         BENCH.p = publish.new({
             project = conf.project, topic = conf.topic,
@@ -115,32 +127,10 @@ location = /none {
     }
 }
 location = /loom {
-    content_by_lua_block {
-        local attrs = { host = "edge-1", path = ngx.var.uri,
-                        seq = tostring(ngx.var.connection_requests) }
-        local ok, err = BENCH.p:send(BENCH.data, attrs)
-        if ok then
-            ngx.shared.bench:incr("accepted", 1, 0)
-        else
-            ngx.shared.bench:incr("rejected", 1, 0)
-            ngx.status = 503
-        end
-        ngx.say("ok")
-    }
+    content_by_lua_block { BENCH.send(BENCH.p) }
 }
 location = /loom-spool {
-    content_by_lua_block {
-        local attrs = { host = "edge-1", path = ngx.var.uri,
-                        seq = tostring(ngx.var.connection_requests) }
-        local ok, err = BENCH.ps:send(BENCH.data, attrs)
-        if ok then
-            ngx.shared.bench:incr("accepted", 1, 0)
-        else
-            ngx.shared.bench:incr("rejected", 1, 0)
-            ngx.status = 503
-        end
-        ngx.say("ok")
-    }
+    content_by_lua_block { BENCH.send(BENCH.ps) }
 }
 location = /naive {
     content_by_lua_block {
