@@ -49,6 +49,14 @@
 
 #define LOOM_ERR_LEN                 512
 
+/*
+ * in a sequence, when the runtime thread must be woken, the event loop
+ * polls for up to this many times poll_us: one cross-CPU wake-up (the
+ * runtime thread's) instead of two (the thread's, then the loop's own
+ * through the eventfd), each 10-30 us on a virtual machine
+ */
+#define LOOM_WAKE_POLL               4
+
 
 typedef int (*ngx_loom_sema_new_pt)(void **psem, int n, char **errmsg);
 typedef int (*ngx_loom_sema_post_pt)(void *sem, int n);
@@ -97,6 +105,7 @@ struct loom_offload_task_s {
     unsigned                     kick:1;       /* needs a sleeper woken */
     unsigned                     woke:1;       /* woke a sleeper at once */
     unsigned                     poll:1;       /* the loop may poll */
+    unsigned                     wake_poll:1;  /* ... through a wake-up */
     unsigned                     in_overdue:1;
     unsigned                     reclaimed:1;  /* held stripe's lock */
 
@@ -129,6 +138,9 @@ struct loom_offload_queue_s {
     uint64_t                     ewma_ns;      /* take -> answer */
     uint64_t                     pick_ns;      /* submit -> take, awake */
     uint64_t                     wake_ns;      /* submit -> take, woken */
+    uint64_t                     resolved_ns;  /* the last call resolved */
+    ngx_atomic_uint_t            seq_conn;     /* its request: connection */
+    ngx_uint_t                   seq_req;      /* and request number */
     ngx_uint_t                   poll_skip;    /* calls not to poll for */
     ngx_uint_t                   poll_backoff;
     uint64_t                     polled;

@@ -375,9 +375,14 @@ ngx_loom_offload_done(loom_offload_task_t *t)
 
         ngx_loom_offload_avg(&q->ewma_ns, t->answer_ns - t->take_ns,
                              2 * q->poll_ns);
-        ngx_loom_offload_avg((t->kick || t->woke) ? &q->wake_ns
-                                                  : &q->pick_ns,
-                             t->take_ns - t->start_ns, 2 * q->poll_ns);
+        if (t->kick || t->woke) {
+            ngx_loom_offload_avg(&q->wake_ns, t->take_ns - t->start_ns,
+                                 2 * LOOM_WAKE_POLL * q->poll_ns);
+
+        } else {
+            ngx_loom_offload_avg(&q->pick_ns, t->take_ns - t->start_ns,
+                                 2 * q->poll_ns);
+        }
     }
 
     if (t->lua && !t->resolved) {
@@ -444,7 +449,8 @@ ngx_loom_offload_resolve(loom_offload_task_t *t, int result)
     }
 
     if (result != LOOM_RESULT_CLOSED) {
-        us = (ngx_loom_offload_now_ns() - t->start_ns) / 1000;
+        q->resolved_ns = ngx_loom_offload_now_ns();
+        us = (q->resolved_ns - t->start_ns) / 1000;
         ngx_loom_offload_latency(q, us);
     }
 
@@ -609,7 +615,8 @@ ngx_loom_offload_ffi_poll(loom_offload_task_t *t)
 
     ngx_loom_store(&t->fast, LOOM_FAST_POLLING);
 
-    deadline = ngx_loom_offload_now_ns() + q->poll_ns;
+    deadline = ngx_loom_offload_now_ns()
+               + (t->wake_poll ? LOOM_WAKE_POLL * q->poll_ns : q->poll_ns);
 
     for (n = 1; ngx_loom_load(&t->fast) == LOOM_FAST_POLLING; n++) {
         ngx_loom_cpu_relax();

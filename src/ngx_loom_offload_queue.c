@@ -48,12 +48,20 @@
  */
 #define LOOM_SPIN_PAYS_NS            10000
 
+/*
+ * a call submitted by the same request as the previous call on the same
+ * runtime, this soon after the event loop resolved that one, is one of a
+ * sequence (a loop of calls in one request): the event loop has nothing
+ * else to do but wait for it
+ */
+#define LOOM_SEQ_NS                  3000
+
 
 static void ngx_loom_offload_back(loom_offload_queue_t *q, uint64_t now);
 static ngx_uint_t ngx_loom_offload_wakes(loom_offload_queue_t *q,
     uint64_t now);
 static ngx_uint_t ngx_loom_offload_may_poll(loom_offload_queue_t *q,
-    uint64_t pick_ns);
+    uint64_t pick_ns, uint64_t budget);
 
 /* FFI entry points */
 int ngx_loom_offload_ffi_submit(ngx_http_request_t *r,
@@ -85,6 +93,7 @@ ngx_loom_offload_ffi_submit(ngx_http_request_t *r, loom_offload_queue_t *q,
     size_t                      cap, head;
     u_char                     *p;
     uint64_t                    now;
+    ngx_uint_t                  seq;
     ngx_http_cleanup_t         *cln;
     loom_offload_task_t        *t;
     ngx_loom_offload_rctx_t    *rctx;
@@ -188,7 +197,14 @@ ngx_loom_offload_ffi_submit(ngx_http_request_t *r, loom_offload_queue_t *q,
     if (q->sleepers > q->waking
         && q->npending > q->spinners + q->waking)
     {
-        if (ngx_loom_offload_may_poll(q, q->wake_ns)) {
+        seq = now - q->resolved_ns < LOOM_SEQ_NS
+              && q->seq_conn == r->main->connection->number
+              && q->seq_req == r->main->connection->requests;
+
+        if (ngx_loom_offload_may_poll(q, q->wake_ns,
+                                      seq ? LOOM_WAKE_POLL * q->poll_ns
+                                          : q->poll_ns))
+        {
             /*
              * an idle runtime, fast lately: the event loop is about to
              * poll for the answer, so the thread is needed now
@@ -196,6 +212,7 @@ ngx_loom_offload_ffi_submit(ngx_http_request_t *r, loom_offload_queue_t *q,
             q->waking++;
             t->woke = 1;
             t->poll = 1;
+            t->wake_poll = seq;
             pthread_cond_signal(&q->cond);
 
         } else {
@@ -204,10 +221,13 @@ ngx_loom_offload_ffi_submit(ngx_http_request_t *r, loom_offload_queue_t *q,
 
     } else {
         /* decided here: a spinning thread may take the task at once */
-        t->poll = ngx_loom_offload_may_poll(q, q->pick_ns);
+        t->poll = ngx_loom_offload_may_poll(q, q->pick_ns, q->poll_ns);
     }
 
     pthread_mutex_unlock(&q->mtx);
+
+    q->seq_conn = r->main->connection->number;
+    q->seq_req = r->main->connection->requests;
 
     if (t->kick && !q->kick_ev.posted) {
         ngx_post_event(&q->kick_ev, &ngx_posted_events);
@@ -232,10 +252,11 @@ ngx_loom_offload_ffi_submit(ngx_http_request_t *r, loom_offload_queue_t *q,
  * awake, or one woken) and answer within poll_us, going by recent tasks
  */
 static ngx_uint_t
-ngx_loom_offload_may_poll(loom_offload_queue_t *q, uint64_t pick_ns)
+ngx_loom_offload_may_poll(loom_offload_queue_t *q, uint64_t pick_ns,
+    uint64_t budget)
 {
     if (q->poll_ns == 0
-        || q->ewma_ns + pick_ns >= q->poll_ns
+        || q->ewma_ns + pick_ns >= budget
         || q->state != LOOM_OFFLOAD_READY
         || q->npending != 1
         || q->taken != q->answered)
