@@ -580,7 +580,9 @@ ngx_loom_offload_exiting(ngx_uint_t now)
  * were picked up and answered within poll_us (decided at submission, see
  * ngx_loom_offload_may_poll), the event loop polls for the answer for up
  * to poll_us instead of going to sleep in epoll_wait() and being woken up
- * by the eventfd from another CPU. Returns 1 when the answer came (the
+ * by the eventfd from another CPU (up to LOOM_WAKE_POLL times poll_us
+ * for a call of a sequence that had to wake a runtime thread: one
+ * wake-up instead of two). Returns 1 when the answer came (the
  * task is resolved; read it with ffi_result), else 0: wait on the
  * semaphore as usual.
  */
