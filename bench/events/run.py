@@ -699,6 +699,29 @@ def targets(kong, raw):
                 "met": bool(ok_del and ratio is not None and (
                     ratio == "inf" or ratio >= 2)) if peer else None,
             })
+    # issue 27 ("the loop tax"): closer to a worker doing nothing extra
+    for posters, scen, pct, p99 in (("one", "C", 95, 20), ("one", "D", 85,
+                                                            None),
+                                    ("all", "C", 92, None)):
+        c = cell(posters, scen, "loom")
+        if not c:
+            continue
+        ok_del = c.get("all_delivered_runs") == c["runs"]
+        t = {
+            "target": "issue 27: %s (%s posting): RPS >= %d%% of none%s, "
+                      "100%% delivered" % (
+                          SCENARIOS[scen][2], posters, pct,
+                          ", bus p99 <= %d ms" % p99 if p99 else ""),
+            "delivered_all_runs": ok_del,
+            "rps_pct_of_none": c.get("rps_pct_of_none"),
+        }
+        met = ok_del and (c.get("rps_pct_of_none") or 0) >= pct
+        if p99:
+            t["bus_p99_ms"] = c.get("bus_latency_p99_ms")
+            met = met and t["bus_p99_ms"] is not None \
+                and t["bus_p99_ms"] <= p99
+        t["met"] = bool(met)
+        res.append(t)
     for r in raw:
         res.append({
             "target": "publish-to-handler p99 < 1 ms when not saturated "

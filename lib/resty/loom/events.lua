@@ -265,6 +265,9 @@ function _M.new(opts)
 
         -- receiving
         inbox = ring.new(),         -- events for the handlers
+        -- the encoded bodies of the inbox's events from other workers
+        -- (false, length in the inbox): decoded when their turn comes
+        raw = buf_new(65536),
         -- our handlers' copies of our own events ("all", to our own
         -- worker id, unique ones that land on us), in publish order,
         -- until the writer takes the events they follow: (key, source,

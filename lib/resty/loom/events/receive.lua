@@ -16,8 +16,9 @@ local buf_new = buffer.new
 local pcall = pcall
 local tostring = tostring
 local min = math.min
+local mono = dispatch.mono
 local inbox_len = dispatch.inbox_len
-local inbox_push = dispatch.inbox_push
+local inbox_push_raw = dispatch.inbox_push_raw
 local report_gap = dispatch.report_gap
 local own_unique = own.own_unique
 local receive_urgent = collect.receive_urgent
@@ -33,7 +34,6 @@ local EVENT_SIZE = frame.EVENT_SIZE
 local ALL = frame.ALL
 local OTHERS = frame.OTHERS
 local READ_SIZE = frame.READ_SIZE
-local YIELD_BYTES = frame.YIELD_BYTES
 local EXACT_MIN = frame.EXACT_MIN
 local CHUNK = frame.CHUNK
 -- the broker keeps the events it wrote to a worker until the worker
@@ -42,6 +42,9 @@ local ACK_EVERY = 256
 local ACK_DELAY = 0.01
 local CONNECT_TIMEOUT = 2
 local SEND_TIMEOUT = 30
+-- seconds spent handling what was read before the reader yields (the
+-- handlers' slice: see dispatch.lua)
+local SLICE = dispatch.SLICE
 
 
 local _M = {
@@ -90,12 +93,9 @@ local function receive_event(self, seq, p, len)
     if not accept_seq(self, e, seq) then
         return true
     end
-    local ok, source, event, data = pcall(frame.decode_body, p + off,
-                                          e.body_len)
-    if not ok then
-        return nil, "undecodable event"
-    end
-    inbox_push(self, source, event, data, e.publisher, e.published_at, e.pid)
+    -- the body waits undecoded (see dispatch.lua: inbox_push_raw)
+    inbox_push_raw(self, p + off, e.body_len, e.publisher, e.published_at,
+                   e.pid)
     return true
 end
 
@@ -206,7 +206,7 @@ _M.wait_inbox_room = wait_inbox_room
 local function reader(self, sock, link)
     local rbuf = buf_new(READ_SIZE)
     local need = 0
-    local since_yield = 0
+    local busy = 0          -- seconds spent in consume() since a yield
     -- (the chunk being collected, and the events received: link.got)
     local st = link
     -- the broker answers our pings: silence this long means it is gone;
@@ -232,10 +232,12 @@ local function reader(self, sock, link)
                         or err
         end
         rbuf:put(data)
+        local t0 = mono()
         need, err = consume(self, rbuf, st)
         if not need then
             return nil, err
         end
+        busy = busy + (mono() - t0)
         if link.got > link.acked then
             -- the broker holds these until we confirm them: the writer
             -- does within ACK_DELAY, or at once for a long run
@@ -248,10 +250,10 @@ local function reader(self, sock, link)
                 self.wsema:post(1)
             end
         end
-        since_yield = since_yield + #data
-        if since_yield >= YIELD_BYTES then
-            -- a long run of reads: let requests in
-            since_yield = 0
+        if busy >= SLICE then
+            -- a long run of reads: let requests in (the time a read
+            -- waited does not count: the loop turned then)
+            busy = 0
             yield()
         end
     end
