@@ -20,10 +20,16 @@ The workers oversubscribe the host's cores at 8 and 16: the CPU figure is
 a cost, the p99 there says more about the host than the bus.
 
 Runs alternate the worker counts (4, 8, 16, 4, 8, 16, ...) for REPEAT (3)
-reps per scenario; medians. Results: bench/results/events-scale.json
-(BENCH_OUT). Knobs: SCALE_WORKERS ("4,8,16"), SCALE_POSTERS ("one,all"),
-SCALE_N (1000), SCALE_INTERVAL (0.1), SCALE_SECONDS (8), REPEAT (3).
-`--markdown` prints the table of an existing results file.
+reps per scenario; medians. With SCALE_CHECKOUTS="DIR DIR ..." (other
+checkouts of resty-loom with their module built, e.g. a baseline), each
+cell runs once per checkout, in A B / B A order by rep, each checkout with
+its own harness. Results: bench/results/events-scale.json (BENCH_OUT).
+Knobs: SCALE_WORKERS ("4,8,16"), SCALE_POSTERS ("one,all"), SCALE_N (1000),
+SCALE_INTERVAL (0.1), SCALE_SECONDS (8), REPEAT (3). SCALE_PROFILE (a jit.p
+mode, e.g. "Fi1m0") samples the broker over the window and adds a per-stage
+breakdown (read, parse, route, write, acks, the broker worker's own
+handlers) in µs per delivery. `--markdown` prints the tables of an existing
+results file.
 """
 
 import datetime
@@ -39,6 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import run  # noqa: E402  (the events bench: its nginx harness, helpers)
 import benchcli  # noqa: E402
+from cost import load_runner  # noqa: E402
 
 ROOT = run.ROOT
 WORKERS = [int(x) for x in
@@ -112,14 +119,14 @@ STAGES = [
 ]
 
 
-def named(where):
+def named(where, root):
     """jit.p names a function defined as a field (function _M.x) by its
     file and line: the name from the source, when it is ours."""
     f, _, line = where.partition(":")
     if not line.isdigit():
         return where
     for d in ("lib/resty/loom/events", "lib/resty/loom", "bench/events/lua"):
-        path = os.path.join(ROOT, d, f)
+        path = os.path.join(root, d, f)
         if os.path.exists(path):
             with open(path) as src:
                 text = src.readlines()[int(line) - 1]
@@ -128,7 +135,7 @@ def named(where):
     return where
 
 
-def stages(path):
+def stages(path, root):
     """% of jit.p's samples per stage ("other": the rest, e.g. the
     harness's stats flush)."""
     out = {name: 0.0 for name, _ in STAGES}
@@ -138,7 +145,7 @@ def stages(path):
             parts = line.split()
             if len(parts) != 2 or not parts[0].endswith("%"):
                 continue
-            pct, where = float(parts[0][:-1]), named(parts[1])
+            pct, where = float(parts[0][:-1]), named(parts[1], root)
             for name, keys in STAGES:
                 if any(where.startswith(k) for k in keys):
                     out[name] += pct
@@ -157,17 +164,18 @@ def broker_pid(st):
     return bus.get("pid")
 
 
-def one_run(workers, posters, rep):
+def one_run(run, checkout, workers, posters, rep):
     per = N // workers if posters == "all" else N
     n = run.make_nginx("loom", workers, {
         "mode": "kong", "n": per, "interval": INTERVAL, "posters": posters,
         "poster": POSTER, "broker": BROKER, "payload": "100"})
-    res = {"workers": workers, "posters": posters, "rep": rep,
+    res = {"checkout": checkout, "workers": workers, "posters": posters,
+           "rep": rep,
            "per_poster_per_tick": per, "interval_s": INTERVAL,
            "loadavg_before": run.loadavg()}
     if PROFILE:
-        res["profile"] = "/tmp/scale-prof-%s-%d-%d.txt" % (posters, workers,
-                                                           rep)
+        res["profile"] = "/tmp/scale-prof-%s-%s-%d-%d.txt" % (
+            os.path.basename(checkout), posters, workers, rep)
         with_profiler(n, res["profile"])
     try:
         n.start()
@@ -222,7 +230,7 @@ def one_run(workers, posters, rep):
         bst = fin["workers"][str(BROKER)]["bus"].get("broker") or {}
         res["broker_dropped"] = bst.get("dropped")
         if PROFILE:
-            res["stage_pct"] = stages(res["profile"])
+            res["stage_pct"] = stages(res["profile"], checkout)
             res["stage_us_per_delivery"] = {
                 k: round(v / 100 * res["broker_sched_us_per_delivery"], 4)
                 for k, v in res["stage_pct"].items()}
@@ -236,10 +244,11 @@ def one_run(workers, posters, rep):
             res["stop_error"] = str(e)
         res["log_lines"], res["log_samples"] = run.log_counts(n)
         n.cleanup()
-    run.log("scale %-3s %2d workers rep %d: %s µs/delivery (%s sched), "
+    run.log("scale %s %-3s %2d workers rep %d: %s µs/delivery (%s sched), "
             "%s%% cpu, "
             "%s deliveries/s, %s%% delivered, p99 %s ms%s" % (
-                posters, workers, rep, res.get("broker_us_per_delivery"),
+                os.path.basename(checkout), posters, workers, rep,
+                res.get("broker_us_per_delivery"),
                 res.get("broker_sched_us_per_delivery"),
                 res.get("broker_cpu_pct"), res.get("deliveries_per_s"),
                 res.get("delivered_pct"), res.get("p99_ms"),
@@ -247,12 +256,13 @@ def one_run(workers, posters, rep):
     return res
 
 
-def summarize(runs):
+def summarize(runs, checkout):
     out = {}
     for posters in POSTERS:
         for w in WORKERS:
             rs = [r for r in runs if r["posters"] == posters
-                  and r["workers"] == w and "error" not in r]
+                  and r["workers"] == w and "error" not in r
+                  and r["checkout"] == checkout]
             if not rs:
                 continue
 
@@ -270,18 +280,40 @@ def summarize(runs):
                 "p99_ms": med("p99_ms"),
                 "p50_ms": med("p50_ms"),
             }
+            if PROFILE:
+                out["%s:%d" % (posters, w)]["stage_us_per_delivery"] = {
+                    k: statistics.median(r["stage_us_per_delivery"][k]
+                                         for r in rs
+                                         if "stage_us_per_delivery" in r)
+                    for k in [name for name, _ in STAGES] + ["other"]}
     return out
 
 
 def markdown(res):
-    lines = ["| posters | workers | broker µs CPU per delivery | "
-             "broker CPU % | deliveries/s | % delivered (worst run) | "
-             "p99 ms |", "|---|---:|---:|---:|---:|---:|---:|"]
-    for m in res["medians"].values():
-        lines.append("| %s | %d | %.3f | %.1f | %d | %.3f | %s |" % (
-            m["posters"], m["workers"], m["broker_us_per_delivery"],
-            m["broker_cpu_pct"], m["deliveries_per_s"], m["delivered_pct"],
-            m["p99_ms"]))
+    lines = []
+    for checkout, meds in res["medians"].items():
+        lines += ["", checkout, "",
+                  "| posters | workers | broker µs CPU per delivery "
+                  "(stat / schedstat) | broker CPU % | deliveries/s | "
+                  "% delivered (worst run) | p99 ms |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        for m in meds.values():
+            lines.append("| %s | %d | %.3f / %.3f | %.1f | %d | %.3f | %s |"
+                         % (m["posters"], m["workers"],
+                            m["broker_us_per_delivery"],
+                            m["broker_sched_us_per_delivery"],
+                            m["broker_cpu_pct"], m["deliveries_per_s"],
+                            m["delivered_pct"], m["p99_ms"]))
+        stages_ = [m for m in meds.values() if "stage_us_per_delivery" in m]
+        if stages_:
+            names = list(stages_[0]["stage_us_per_delivery"])
+            lines += ["", "| stage | " + " | ".join(
+                "%s %d" % (m["posters"], m["workers"]) for m in stages_)
+                + " |", "|---|" + "---:|" * len(stages_)]
+            for k in names:
+                lines.append("| %s | %s |" % (k, " | ".join(
+                    "%.3f" % m["stage_us_per_delivery"][k]
+                    for m in stages_)))
     return "\n".join(lines)
 
 
@@ -295,24 +327,35 @@ def main():
             print(markdown(json.load(f)))
         return
     benchcli.announce(__doc__, REPEAT * len(POSTERS) * len(WORKERS)
-                      * (SECONDS + 8), OUT)
+                      * (SECONDS + 8) * len(os.environ.get(
+                          "SCALE_CHECKOUTS", ROOT).split()), OUT)
+    checkouts = [os.path.abspath(d) for d in
+                 os.environ.get("SCALE_CHECKOUTS", ROOT).replace(
+                     ",", " ").split()]
+    runners = ([run] if checkouts == [ROOT] else
+               [load_runner(d, i) for i, d in enumerate(checkouts)])
     started = datetime.datetime.now(datetime.timezone.utc).isoformat()
     runs = []
     for rep in range(1, REPEAT + 1):
         for posters in POSTERS:
             for w in WORKERS:
-                runs.append(one_run(w, posters, rep))
+                order = list(zip(runners, checkouts))
+                if rep % 2 == 0:
+                    order.reverse()
+                for runner, d in order:
+                    runs.append(one_run(runner, d, w, posters, rep))
     res = {
         "benchmark": "events-scale",
         "started": started,
         "machine": run.machine_info(),
-        "settings": {"workers": WORKERS, "posters": POSTERS, "n": N,
+        "settings": {"checkouts": checkouts, "profile": PROFILE,
+                     "workers": WORKERS, "posters": POSTERS, "n": N,
                      "interval_s": INTERVAL, "seconds": SECONDS,
                      "repeat": REPEAT, "broker": BROKER,
                      "poster_one": POSTER, "payload": "~100 B"},
         "runs": runs,
     }
-    res["medians"] = summarize(runs)
+    res["medians"] = {d: summarize(runs, d) for d in checkouts}
     os.makedirs(os.path.dirname(OUT), exist_ok=True)
     with open(OUT, "w") as f:
         json.dump(res, f, indent=1)
