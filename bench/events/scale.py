@@ -10,9 +10,9 @@ the workers while the broker's work per delivery should not.
 
 Per run, over a window of SCALE_SECONDS (8) once posting has settled:
   - broker µs CPU per delivery: the broker worker's utime + stime (summed
-    over its threads, /proc/<pid>/task/*/stat) divided by the events its
-    handlers and all the others' ran in the window (the broker worker's
-    own handlers and, in "all", its publishes are included);
+    over its threads, /proc/<pid>/task/*/stat; also its schedstat, in ns)
+    divided by the events every worker's handlers ran in the window (the
+    broker worker's own handlers and, in "all", its publishes included);
   - % delivered: after a drain, handler runs over accepted events times
     workers (every worker gets every event, its publisher included);
   - publish-to-handler p99: the bus's own histogram, worst worker.
@@ -26,10 +26,10 @@ cell runs once per checkout, in A B / B A order by rep, each checkout with
 its own harness. Results: bench/results/events-scale.json (BENCH_OUT).
 Knobs: SCALE_WORKERS ("4,8,16"), SCALE_POSTERS ("one,all"), SCALE_N (1000),
 SCALE_INTERVAL (0.1), SCALE_SECONDS (8), REPEAT (3). SCALE_PROFILE (a jit.p
-mode, e.g. "Fi1m0") samples the broker over the window and adds a per-stage
-breakdown (read, parse, route, write, acks, the broker worker's own
-handlers) in µs per delivery. `--markdown` prints the tables of an existing
-results file.
+mode, e.g. "Fi1m0") samples the broker over the window and adds a
+per-stage breakdown in µs per delivery: read, parse, route, write, acks,
+and the broker worker's own client (its handlers, its publishing).
+`--markdown` prints the tables of an existing results file.
 """
 
 import datetime
@@ -113,7 +113,9 @@ STAGES = [
                "ring.lua:push", "ring.lua:lower", "semaphore.lua")),
     ("acks", ("broker_acks.lua", "ring.lua", "fifo.lua",
               "frame.lua:put_empty")),
-    ("own handlers", ("receive.lua", "dispatch.lua", "frame.lua:decode",
+    # (the broker worker's own client: its handlers, and in "all" its
+    # publishing)
+    ("own worker", ("receive.lua", "dispatch.lua", "frame.lua:decode",
                       "bench_events.lua:on_event", "lane.lua",
                       "events.lua", "client.lua", "own.lua")),
 ]
@@ -298,7 +300,7 @@ def markdown(res):
                   "% delivered (worst run) | p99 ms |",
                   "|---|---:|---:|---:|---:|---:|---:|"]
         for m in meds.values():
-            lines.append("| %s | %d | %.3f / %.3f | %.1f | %d | %.3f | %s |"
+            lines.append("| %s | %d | %.3f / %.3f | %.1f | %d | %.3f | %.1f |"
                          % (m["posters"], m["workers"],
                             m["broker_us_per_delivery"],
                             m["broker_sched_us_per_delivery"],

@@ -128,7 +128,7 @@ local function consume(bus, b, c, rbuf)
 
             elseif typ == T_ACK then
                 -- the worker has received this many events of ours
-                on_received(b, c.q, c, frame_seq(h))
+                on_received(c.q, c, frame_seq(h))
 
             elseif typ ~= T_PONG then
                 -- (a stray pong is harmless)
@@ -180,7 +180,8 @@ local function reader(bus, b, c)
         if not need then
             return nil, why
         end
-        -- once per read, not per event: acks for what is written
+        -- once per read, not per event or per confirmation received: acks
+        -- for what is written
         send_acks(b)
         since_yield = since_yield + #data
         if since_yield >= YIELD_BYTES then
