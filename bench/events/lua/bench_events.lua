@@ -113,6 +113,7 @@ local function flush(full)
             local st = bus:stats()
             shm:set(keys.ready, bus:is_ready() and 1 or 0)
             shm:set(keys.bus, cjson.encode({
+                pid = st.pid,
                 latency = st.latency,
                 dropped = st.dropped,
                 gaps = st.gaps,
@@ -286,6 +287,7 @@ function _M.init(c)
             socket = cfg.socket,
             overflow = "wait",
             wait_timeout = cfg.wait_timeout or 5,
+            broker = cfg.broker,
         })
     end
     -- lua-resty-worker-events is required in init_worker: loaded in the
@@ -336,7 +338,8 @@ function _M.init_worker()
 
     local mode = cfg.mode
     if mode == "kong" then
-        if cfg.n > 0 and (cfg.posters == "all" or w == 0) then
+        if cfg.n > 0 and (cfg.posters == "all" or w == (cfg.poster or 0))
+        then
             assert(timer_at(0, kong_poster))
         end
     elseif w == 0 then
