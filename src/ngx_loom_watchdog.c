@@ -10,8 +10,10 @@
  *     it. The time from one return to the next entry is the busy part of
  *     an iteration; it goes into a histogram (two vDSO clock reads per
  *     iteration, no lock, no syscall).
- *   - A watchdog pthread per worker wakes every few milliseconds. When the
- *     current iteration has been busy longer than the threshold it reads
+ *   - A watchdog pthread per worker wakes when the iteration it saw last
+ *     could have run half the threshold, then every few milliseconds
+ *     while it lasts. When it has been busy longer than the threshold it
+ *     reads
  *     /proc/self/task/<tid>/{stat,syscall,wchan} of the main thread (on or
  *     off CPU, which system call, which kernel wait) and asks the Lua VM
  *     for a backtrace at a safe point: it never touches the VM itself.
@@ -141,13 +143,6 @@ pid_t                   wd_main_tid;
 clockid_t               wd_main_clock;
 
 
-/* bucket upper bounds in microseconds; the last bucket is open */
-static const uint64_t  wd_bounds_us[LOOM_WD_NBUCKETS - 1] = {
-    50, 100, 250, 500, 1000, 2500, 5000, 10000, 25000, 50000, 100000,
-    250000, 500000, 1000000, 2500000, 5000000, 10000000
-};
-
-
 static ngx_int_t
 ngx_loom_wd_postconfiguration(ngx_conf_t *cf)
 {
@@ -267,6 +262,7 @@ ngx_loom_wd_exit_process(ngx_cycle_t *cycle)
 
     wd_store(&wd_enabled, 0);
     wd_store(&wd_stop, 1);
+    ngx_loom_wd_wake();
     pthread_join(wd_thread, NULL);
 
     /* a SIGPROF still pending must not sample the VM being closed */
@@ -283,30 +279,6 @@ ngx_loom_wd_exit_process(ngx_cycle_t *cycle)
 }
 
 
-static ngx_inline void
-wd_record(uint64_t busy)
-{
-    ngx_uint_t  i;
-    uint64_t    us;
-
-    us = busy / 1000;
-
-    for (i = 0; i < LOOM_WD_NBUCKETS - 1; i++) {
-        if (us < wd_bounds_us[i]) {
-            break;
-        }
-    }
-
-    wd_stats.buckets[i]++;
-    wd_stats.iterations++;
-    wd_stats.busy_ns += busy;
-
-    if (busy > wd_stats.max_ns) {
-        wd_stats.max_ns = busy;
-    }
-}
-
-
 static ngx_int_t
 ngx_loom_wd_process_events(ngx_cycle_t *cycle, ngx_msec_t timer,
     ngx_uint_t flags)
@@ -318,28 +290,16 @@ ngx_loom_wd_process_events(ngx_cycle_t *cycle, ngx_msec_t timer,
         return wd_orig_process_events(cycle, timer, flags);
     }
 
-    since = __atomic_load_n(&wd_busy_since, __ATOMIC_RELAXED);
+    if (wd_iter_end(&now, &since, &busy)) {
+        ngx_loom_wd_finish(now, since, busy);
 
-    if (since != 0) {
-        now = wd_now();
-        busy = now - since;
-        wd_record(busy);
-
-        if (busy >= __atomic_load_n(&wd_threshold_ns, __ATOMIC_RELAXED)) {
-            ngx_loom_wd_finish(now, since, busy);
-
-            /* the Lua side was posted: do not sleep before it runs */
-            timer = 0;
-        }
+        /* the Lua side was posted: do not sleep before it runs */
+        timer = 0;
     }
-
-    wd_store(&wd_busy_since, 0);
 
     rc = wd_orig_process_events(cycle, timer, flags | NGX_POST_EVENTS);
 
-    now = wd_now();
-    wd_store(&wd_seq, wd_seq + 1);
-    wd_store(&wd_busy_since, now);
+    wd_iter_start();
 
     return rc;
 }

@@ -17,9 +17,9 @@
 #include <ngx_http.h>
 #include <pthread.h>
 #include <stdint.h>
+#include "ngx_loom_watchdog_loop.h"
 
 
-#define LOOM_WD_NBUCKETS      18
 #define LOOM_WD_NSYSCALLS      4
 #define LOOM_WD_REQUEST_LEN  256
 #define LOOM_WD_SITE_LEN     320
@@ -35,26 +35,6 @@ typedef struct {
     int       profile;          /* take Lua backtraces (jit.profile hook) */
     int       breakpoints;      /* use a return breakpoint off-CPU */
 } loom_wd_conf_t;
-
-
-/* loop figures, written by the worker's main thread only */
-typedef struct {
-    uint64_t  iterations;
-    uint64_t  busy_ns;          /* sum of busy time */
-    uint64_t  max_ns;
-    uint64_t  stalls;           /* iterations over the threshold */
-    uint64_t  reports_dropped;
-    uint64_t  samples;          /* Lua stack samples taken */
-    uint64_t  samples_dropped;
-    uint64_t  signals;          /* sample requests sent by the thread */
-    uint64_t  breakpoints;      /* return breakpoints armed */
-    uint64_t  started_ns;       /* CLOCK_MONOTONIC at start */
-    uint64_t  buckets[LOOM_WD_NBUCKETS];
-    int       running;
-    int       profiler;         /* 1: backtraces available */
-    int       bp_state;         /* 0 untried, 1 works, -1 unavailable */
-    int       bp_errno;
-} loom_wd_stats_t;
 
 
 /* one finished stall */
@@ -125,21 +105,6 @@ typedef void (*loom_profile_cb_pt)(void *data, lua_State *L, int samples,
     int vmstate);
 
 
-#define wd_load(p)      __atomic_load_n(p, __ATOMIC_ACQUIRE)
-#define wd_store(p, v)  __atomic_store_n(p, v, __ATOMIC_RELEASE)
-
-
-static ngx_inline uint64_t
-wd_now(void)
-{
-    struct timespec  ts;
-
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-
-    return (uint64_t) ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
-
-
 static ngx_inline uint64_t
 wd_clock(clockid_t clk)
 {
@@ -164,23 +129,18 @@ wd_clock(clockid_t clk)
 extern loom_wd_conf_t    wd_conf;
 extern int               wd_want;
 extern int               wd_process_inited;
-extern int               wd_enabled;
-extern uint64_t          wd_threshold_ns;
 extern uint64_t          wd_interval_ns;
 extern uint64_t          wd_long_ns;
 extern int               wd_max_samples;
 extern void             *wd_sem;
 
 /* loop state shared with the thread (atomics) */
-extern uint64_t          wd_seq;
-extern uint64_t          wd_busy_since;
 extern uint64_t          wd_req_seq;
 extern int               wd_req_offcpu;
 extern uint64_t          wd_cb_seq;
 extern int               wd_cb_n;
 extern int               wd_stop;
 
-extern loom_wd_stats_t   wd_stats;
 
 /* guarded by wd_lock */
 extern pthread_mutex_t   wd_lock;
@@ -227,6 +187,7 @@ void ngx_loom_wd_profile_cb(void *data, lua_State *L, int samples,
 
 /* ngx_loom_watchdog_thread.c */
 void *ngx_loom_wd_thread(void *arg);
+void ngx_loom_wd_wake(void);
 uint64_t wd_run_delay(int fd, const char *path);
 
 #pragma GCC visibility pop

@@ -85,6 +85,12 @@ int
 ngx_loom_ffi_watchdog_configure(const loom_wd_conf_t *conf)
 {
     wd_apply_conf(conf);
+
+    if (wd_thread_running) {
+        /* a shorter threshold or tick applies from now */
+        ngx_loom_wd_wake();
+    }
+
     return LOOM_FFI_OK;
 }
 
@@ -99,6 +105,7 @@ ngx_loom_ffi_watchdog_enable(int on)
     wd_store(&wd_busy_since, 0);
     wd_store(&wd_enabled, on ? 1 : 0);
     wd_stats.running = on ? 1 : 0;
+    ngx_loom_wd_wake();
 
     return LOOM_FFI_OK;
 }

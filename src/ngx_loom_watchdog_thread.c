@@ -20,7 +20,7 @@
 #include <linux/hw_breakpoint.h>
 
 
-static void ngx_loom_wd_tick(void);
+static uint64_t ngx_loom_wd_tick(void);
 static void ngx_loom_wd_bp_close(void);
 static ssize_t wd_read(int fd, char *buf, size_t size);
 
@@ -39,6 +39,11 @@ static uint64_t         wd_bp_cpu;
 static uint64_t         wd_sig_seq;
 static uint64_t         wd_sig_cpu;
 static uint64_t         wd_logged_seq;
+
+/* the thread's sleep, cut short by ngx_loom_wd_wake() */
+static pthread_mutex_t  wd_sleep_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t   wd_sleep_cond = PTHREAD_COND_INITIALIZER;
+static int              wd_woken;
 
 
 static int
@@ -103,24 +108,62 @@ wd_run_delay(int fd, const char *path)
 }
 
 
+/* stop, or new options: the thread looks again now */
+void
+ngx_loom_wd_wake(void)
+{
+    pthread_mutex_lock(&wd_sleep_lock);
+    wd_woken = 1;
+    pthread_cond_signal(&wd_sleep_cond);
+    pthread_mutex_unlock(&wd_sleep_lock);
+}
+
+
+static void
+wd_sleep_until(uint64_t deadline)
+{
+    struct timespec  ts;
+
+    ts.tv_sec = deadline / 1000000000;
+    ts.tv_nsec = deadline % 1000000000;
+
+    pthread_mutex_lock(&wd_sleep_lock);
+
+    while (!wd_woken
+           && pthread_cond_clockwait(&wd_sleep_cond, &wd_sleep_lock,
+                                     CLOCK_MONOTONIC, &ts) == 0)
+    {
+        /* spurious wake-up */
+    }
+
+    wd_woken = 0;
+    pthread_mutex_unlock(&wd_sleep_lock);
+}
+
+
 void *
 ngx_loom_wd_thread(void *arg)
 {
-    uint64_t         ns;
-    struct timespec  ts;
+    uint64_t  next;
+
+    /* named, so that its CPU can be told from the worker's own */
+    (void) pthread_setname_np(pthread_self(), "loom-watchdog");
 
     wd_fd_stat = wd_open_task("stat");
     wd_fd_syscall = wd_open_task("syscall");
     wd_fd_wchan = wd_open_task("wchan");
     wd_fd_sched = wd_open_task("schedstat");
 
-    while (!wd_load(&wd_stop)) {
-        ns = wd_load(&wd_interval_ns);
-        ts.tv_sec = ns / 1000000000;
-        ts.tv_nsec = ns % 1000000000;
-        (void) nanosleep(&ts, NULL);
+    next = wd_now() + wd_load(&wd_interval_ns);
 
-        ngx_loom_wd_tick();
+    while (!wd_load(&wd_stop)) {
+        wd_sleep_until(next);
+
+        if (wd_load(&wd_stop)) {
+            break;
+        }
+
+        next = ngx_loom_wd_tick();
     }
 
     ngx_loom_wd_bp_close();
@@ -287,21 +330,26 @@ wd_log_long(uint64_t seq, uint64_t elapsed, char state, long nr,
 }
 
 
-static void
+/* one look at the loop; returns when to look next (CLOCK_MONOTONIC ns) */
+static uint64_t
 ngx_loom_wd_tick(void)
 {
     int                n, early;
     char               state, *p, buf[256], wchan[48];
     long               nr;
     uint64_t           s1, s2, since, now, elapsed, pc, cpu, rq,
-                       threshold;
+                       threshold, interval;
     unsigned long      a[8];
     ngx_uint_t         i;
     loom_wd_report_t  *r;
 
+    now = wd_now();
+    threshold = wd_load(&wd_threshold_ns);
+    interval = wd_load(&wd_interval_ns);
+
     if (!wd_load(&wd_enabled)) {
         ngx_loom_wd_bp_close();
-        return;
+        return now + threshold / 2 + interval;
     }
 
     s1 = wd_load(&wd_seq);
@@ -313,14 +361,17 @@ ngx_loom_wd_tick(void)
             ngx_loom_wd_bp_close();
         }
 
-        return;
+        /*
+         * waiting for events (or just between two iterations): the next
+         * one starts later than now, so it cannot have run half the
+         * threshold before now + threshold / 2
+         */
+        return now + (s1 != s2 ? interval : threshold / 2);
     }
 
     if (wd_bp_fd != -1 && wd_bp_seq != s1) {
         ngx_loom_wd_bp_close();
     }
-
-    now = wd_now();
 
     if (wd_seen_seq != s1) {
         cpu = wd_clock(wd_main_clock);
@@ -335,14 +386,13 @@ ngx_loom_wd_tick(void)
     }
 
     elapsed = now > since ? now - since : 0;
-    threshold = wd_load(&wd_threshold_ns);
 
     /*
      * from half the threshold on, take one sample already: a stall that
      * ends soon after the threshold still says what was running
      */
     if (elapsed < threshold / 2) {
-        return;
+        return since + threshold / 2;
     }
 
     early = (elapsed < threshold);
@@ -518,6 +568,8 @@ ngx_loom_wd_tick(void)
         wd_logged_seq = s1;
         wd_log_long(s1, elapsed, state, nr, wchan);
     }
+
+    return now + interval;
 }
 
 /* vi:set ft=c ts=4 sw=4 et fdm=marker: */

@@ -288,6 +288,30 @@ def test_no_report_under_normal_load(nginx):
     assert "event loop blocked" not in n.error_log()
 
 
+def test_thread_named_and_asleep_while_nothing_can_stall(nginx):
+    # the thread is "loom-watchdog" (ps -T, top -H, the bench find it); an
+    # idle worker cannot have run half the threshold before the thread's
+    # next look, so it is not woken every tick (10 ms here: 100 a second),
+    # about twice per threshold; a wake-up costs it tens of µs of CPU
+    n = start(nginx)
+    assert n.get("/reports").status == 200
+    pid = n.worker_pids()[0]
+    tids = [t for t in os.listdir("/proc/%d/task" % pid)
+            if open("/proc/%d/task/%s/comm" % (pid, t)).read().strip()
+            == "loom-watchdog"]
+    assert len(tids) == 1, os.listdir("/proc/%d/task" % pid)
+
+    def switches():
+        with open("/proc/%d/task/%s/status" % (pid, tids[0])) as f:
+            return int(re.search(r"voluntary_ctxt_switches:\s+(\d+)",
+                                 f.read()).group(1))
+
+    before = switches()
+    time.sleep(2)
+    woke = switches() - before
+    assert 0 < woke < 100, woke
+
+
 def test_reload_and_quit(nginx):
     n = start(nginx, workers=2)
     old = n.worker_pids()

@@ -130,7 +130,8 @@ local function next_batch(self)
 end
 
 
--- publishes batch b, retrying until its deadline, and tells the outcome
+-- publishes batch b, retrying until its deadline, and tells the outcome;
+-- true when the exit budget cut it (kept for the spool)
 local function dispatch(self, b)
     local q = b.q
     local n, bytes = b.n, b.bytes
@@ -142,6 +143,7 @@ local function dispatch(self, b)
     local attempts = 0
     local refreshed = false
     local outcome, reason, res, status
+    local cut = false
     while true do
         attempts = attempts + 1
         local hard = self.exiting and self.exit_deadline
@@ -250,6 +252,7 @@ local function dispatch(self, b)
         b.body = body
         local kept = self.kept
         kept[#kept + 1] = b
+        cut = true
 
     else
         note_trouble(self, reason, n)
@@ -268,6 +271,7 @@ local function dispatch(self, b)
         -- room in the buffer: read on in the files adopted
         spool_feed(self)
     end
+    return cut
 end
 
 
@@ -280,7 +284,14 @@ local function sender(self)
                 end
                 local b, wait = next_batch(self)
                 if b then
-                    dispatch(self, b)
+                    if dispatch(self, b) then
+                        -- Its batch may have arrived and will be sent
+                        -- again from the spool: no other. (The request's
+                        -- timer may end it a millisecond before ngx.now()
+                        -- reaches the deadline; a batch started then would
+                        -- be cut too, once more per sender.)
+                        return
+                    end
                     if self.requests >= self.recycle_at
                        and not self.exiting
                     then
