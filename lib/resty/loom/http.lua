@@ -4,7 +4,6 @@
 -- chunked bodies. One client object per origin (scheme, host, port).
 
 
-local ffi = require "ffi"
 local buffer = require "string.buffer"
 local semaphore = require "ngx.semaphore"
 local options = require "resty.loom.opts"
@@ -17,8 +16,6 @@ local thread_kill = ngx.thread.kill
 local sema_new = semaphore.new
 local min = math.min
 local buf_new = buffer.new
-local ffi_string = ffi.string
-local tab_clear = require "table.clear"
 local concat = table.concat
 local type = type
 local tonumber = tonumber
@@ -37,9 +34,6 @@ local MAX_HEADER_LINES = 200
 local DEFAULT_MAX_BODY = 64 * 1024 * 1024
 -- nginx takes socket timeouts up to 2^31 ms (24 days) and raises beyond
 local MAX_SECONDS = 86400
--- a string.buffer in a body goes out in strings of this size: each is
--- copied again by nginx right away, while both copies are in the cache
-local PIECE = 64 * 1024
 
 
 local _M = { _VERSION = "0.2.0" }
@@ -491,51 +485,13 @@ local function build(self, method, path, headers, body)
 end
 
 
--- sends data, a list of strings and string.buffers; a buffer is read in
--- pieces from its memory, not consumed (a retry sends it again)
-local function send_pieces(sock, data)
-    local out, nout, bytes = {}, 0, 0
-    for i = 1, #data do
-        local v = data[i]
-        if type(v) == "string" then
-            nout = nout + 1
-            out[nout] = v
-            bytes = bytes + #v
-        else
-            local off, len = 0, #v
-            while off < len do
-                local n = min(PIECE, len - off)
-                nout = nout + 1
-                -- (the pointer again after each send: a yield)
-                out[nout] = ffi_string(v:ref() + off, n)
-                bytes = bytes + n
-                off = off + n
-                if bytes >= PIECE then
-                    local ok, err = sock:send(out)
-                    if not ok then
-                        return nil, err
-                    end
-                    tab_clear(out)
-                    nout, bytes = 0, 0
-                end
-            end
-        end
-    end
-    if nout == 0 then
-        return true
-    end
-    return sock:send(out)
-end
-
-
 -- c:request(method, path, headers, body, timeout) -> res or nil, err,
 -- permanent
 --   timeout: seconds for the whole request (default: the client's)
 --   permanent: true when trying again cannot help (no resolver, unknown
 --   host, certificate not verified)
 --   headers: nil, a table (name -> value or list of values) or a string of
---   ready "Name: value\r\n" lines; body: nil, a string or a list of strings
---   and string.buffers (sent from their memory, not consumed).
+--   ready "Name: value\r\n" lines; body: nil, a string or a list of strings.
 --   res = { status = 200, headers = { ["content-type"] = ... }, body = "",
 --           reused = <times the connection was reused before> }
 -- A request on a reused keep-alive connection that the server had already
@@ -551,15 +507,10 @@ function _M.request(self, method, path, headers, body, timeout)
     local deadline = ngx_now() + (timeout or self.timeout)
     local head = build(self, method, path or "/", headers, body)
     local data = head
-    local pieces = false
     if type(body) == "table" then
         data = { head }
         for i = 1, #body do
-            local v = body[i]
-            data[i + 1] = v
-            if type(v) ~= "string" then
-                pieces = true
-            end
+            data[i + 1] = body[i]
         end
     elseif body then
         data = { head, body }
@@ -573,11 +524,7 @@ function _M.request(self, method, path, headers, body, timeout)
         end
         local ok, err
         if arm(self, sock, deadline) then
-            if pieces then
-                ok, err = send_pieces(sock, data)
-            else
-                ok, err = sock:send(data)
-            end
+            ok, err = sock:send(data)
         else
             err = "timeout"
         end

@@ -23,8 +23,7 @@ local BATCH_START_BYTES = 1024
 local BATCH_START_MESSAGES = 32
 local IDLE_WAIT = 2
 local RECYCLE_BYTES = 2 * 1024 * 1024   -- keep batch buffers up to this
-local PREFIX = '{"messages":['
-local SUFFIX = ']}'
+local BODY_PIECE = 64 * 1024
 local GC_STEP_BYTES = 4 * 1024 * 1024     -- collector steps while draining
 local BACKLOG_BYTES = 16 * 1024 * 1024    -- a buffer this big is a backlog
 
@@ -318,8 +317,8 @@ local function fail_queued(self, q, reason)
                 end
             end
             b.buf:skip(1)
-            report_failure(self, q, PREFIX .. b.buf:tostring() .. SUFFIX,
-                           b.n, reason, 0, nil)
+            report_failure(self, q, '{"messages":['
+                           .. b.buf:tostring() .. ']}', b.n, reason, 0, nil)
         end
     end
     q.open = nil
@@ -328,11 +327,8 @@ end
 
 
 -- Takes batch b (from next_batch()) out of its queue to be sent: its
--- messages count as in flight until landed(). Returns the request body:
--- the envelope and the batch's string.buffer, which the HTTP client sends
--- from its memory (no copy of the body as Lua strings: each one would be
--- a copy of cold memory, and garbage the collector pays for). The buffer
--- goes back to the free list with recycle() once the body is done with.
+-- messages count as in flight until landed(). Returns the request body,
+-- in pieces; the batch's string.buffer goes back to the free list.
 function _M.take(self, b)
     local q = b.q
     fifo_pop(q.batches)
@@ -351,17 +347,16 @@ function _M.take(self, b)
 
     local buf = b.buf
     buf:skip(1)     -- the first message's leading comma
-    local body = { PREFIX, buf, SUFFIX }
+    -- the body as pieces below LuaJIT's mmap threshold: one string of a
+    -- megabyte would be mapped, faulted in and unmapped for every batch
+    local body = { '{"messages":[' }
+    while #buf > 0 do
+        body[#body + 1] = buf:get(BODY_PIECE)
+    end
+    body[#body + 1] = ']}'
     b.buf = nil
     b.body = body       -- reported by exit_worker() if the worker stops
     self.sending[b] = true
-    return body
-end
-
-
--- the string.buffer of a body from take(), bytes long, is free again
-function _M.recycle(self, body, bytes)
-    local buf = body[2]
     buf:reset()
     local free = self.free_bufs
     if bytes <= RECYCLE_BYTES and #free < self.concurrency + 2 then
@@ -369,6 +364,7 @@ function _M.recycle(self, body, bytes)
     else
         buf:free()
     end
+    return body
 end
 
 

@@ -47,22 +47,10 @@ local function decode_messages(body)
 end
 
 
--- a request body from buffer.take() (strings and a string.buffer) as one
--- string
-local function body_string(body)
-    local t = {}
-    for i = 1, #body do
-        local v = body[i]
-        t[i] = type(v) == "string" and v or v:tostring()
-    end
-    return concat(t)
-end
-
-
 local function report_failure(self, q, body, n, reason, attempts, status)
     self.failed = self.failed + n
     if type(body) == "table" then
-        body = body_string(body)
+        body = concat(body)
     end
     if self.on_error then
         call(self, self.on_error, decode_messages(body), reason, {
@@ -135,7 +123,6 @@ end
 
 
 _M.call = call
-_M.body_string = body_string
 _M.failure = report_failure
 _M.note_trouble = note_trouble
 _M.note_recovery = note_recovery

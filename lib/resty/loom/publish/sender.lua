@@ -26,7 +26,6 @@ local json_decode = cjson.decode
 local next_ready = buffer.next_batch
 local take = buffer.take
 local landed = buffer.landed
-local recycle = buffer.recycle
 local pause = buffer.pause
 local settle = buffer.settle
 local call = report.call
@@ -262,10 +261,8 @@ local function dispatch(self, b)
             pause(self, q, reason)
         end
     end
-    if b.body ~= body then
-        -- (a batch kept for the spool keeps its body)
-        recycle(self, body, bytes)
-    end
+    -- the body is garbage now: settle() may have the collector take it
+    body = nil      -- luacheck: ignore
     settle(self, q, bytes)
     if self.spool then
         -- room in the buffer: read on in the files adopted

@@ -264,7 +264,7 @@ local function each_message(b, fn)
         end
         return
     end
-    local body = report.body_string(b.body)
+    local body = concat(b.body)
     local p = ffi_cast(u8_ptr, body) + #PREFIX
     for i = b.head, b.total do
         local len = lens[i]
