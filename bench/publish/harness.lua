@@ -108,30 +108,9 @@ end
 
 -- the sender's work for one batch that was acknowledged (sender.lua's
 -- dispatch() without the request)
-local ffi = require "ffi"
-local PIECE = 64 * 1024
--- what the HTTP client makes of a body before nginx copies it: a
--- string.buffer in it becomes strings of 64 KiB (resty.loom.http)
-local function pieces(body)
-    local made = 0
-    for i = 1, #body do
-        local v = body[i]
-        if type(v) ~= "string" then
-            local off, len = 0, #v
-            while off < len do
-                local n = math.min(PIECE, len - off)
-                made = made + #ffi.string(v:ref() + off, n)
-                off = off + n
-            end
-        end
-    end
-    return made
-end
-
 local function send_batch(b)
     local q, bytes = b.q, b.bytes
     local body = buffer.take(p, b)
-    pieces(body)
     buffer.landed(p, b)
     if stage ~= "take" then
         p.sent = p.sent + b.n
@@ -142,9 +121,6 @@ local function send_batch(b)
         local t = cjson.decode(ack_body(b.n))
         report.call(p, p.on_success, t.messageIds, { topic = p.topic,
                     attempts = 1 })
-    end
-    if buffer.recycle then
-        buffer.recycle(p, body, bytes)
     end
     buffer.settle(p, q, bytes)
     return #body
