@@ -3,10 +3,11 @@
  * Copyright (C) resty-loom authors
  *
  * Standard base64 (with padding) for resty.loom.publish, which encodes
- * every message's data in the request path. On x86-64 with SSSE3, 12 bytes
- * become 16 characters per round in registers (the pshufb method published
- * by Wojciech Mula); elsewhere, and for the tail, a 4096-entry table of
- * character pairs turns each 3 bytes into two 16-bit stores. A table alone
+ * every message's data in the request path. On x86-64 with AVX-512 VBMI,
+ * 48 bytes become 64 characters per round; with SSSE3, 12 bytes become 16
+ * (the pshufb method published by Wojciech Mula); elsewhere, and for the
+ * tail, a 4096-entry table of character pairs turns each 3 bytes into two
+ * 16-bit stores. A table alone
  * was 0.5 us per KiB when warm but twice that in a busy worker, whose
  * requests push the 8 KiB table out of the cache between messages.
  */
@@ -17,7 +18,7 @@
 
 #if (defined __x86_64__ && defined __GNUC__)
 #define LOOM_B64_SSSE3  1
-#include <tmmintrin.h>
+#include <immintrin.h>
 #endif
 
 
@@ -99,6 +100,51 @@ ngx_loom_b64_ssse3(const u_char *src, size_t len, u_char *dst)
     return done;
 }
 
+
+/*
+ * With AVX-512 VBMI, 48 bytes become 64 characters per round in three
+ * instructions (Mula and Lemire, "Base64 encoding and decoding at almost
+ * the speed of a memory copy", 2019): a byte permutation puts each 3
+ * bytes as "b a c b", a multishift picks the four 6-bit fields, a second
+ * permutation looks them up in the alphabet. A 1 KiB message costs a
+ * tenth of the SSSE3 loop's instructions. Reads 64 bytes per round.
+ */
+
+static ngx_int_t  ngx_loom_b64_has_vbmi = -1;
+
+
+__attribute__((target("avx512f,avx512bw,avx512vbmi")))
+static size_t
+ngx_loom_b64_vbmi(const u_char *src, size_t len, u_char *dst)
+{
+    size_t   done;
+    __m512i  v;
+
+    const __m512i  spread = _mm512_setr_epi32(
+        0x01020001, 0x04050304, 0x07080607, 0x0a0b090a,
+        0x0d0e0c0d, 0x10110f10, 0x13141213, 0x16171516,
+        0x191a1819, 0x1c1d1b1c, 0x1f201e1f, 0x22232122,
+        0x25262425, 0x28292728, 0x2b2c2a2b, 0x2e2f2d2e);
+    /* bit offsets of the four fields in each "b a c b" 32-bit lane */
+    const __m512i  shifts = _mm512_set1_epi64(0x3036242a1016040aULL);
+    const __m512i  alphabet = _mm512_loadu_si512(
+                                  (const void *) ngx_loom_b64_alphabet);
+
+    done = 0;
+
+    while (len - done >= 64) {
+        v = _mm512_loadu_si512((const void *) (src + done));
+        v = _mm512_permutexvar_epi8(spread, v);
+        v = _mm512_multishift_epi64_epi8(shifts, v);
+        v = _mm512_permutexvar_epi8(v, alphabet);
+        _mm512_storeu_si512((void *) dst, v);
+        dst += 64;
+        done += 48;
+    }
+
+    return done;
+}
+
 #endif
 
 
@@ -119,6 +165,18 @@ ngx_loom_ffi_base64_encode(const u_char *src, size_t len, u_char *dst)
     d = dst;
 
 #if (LOOM_B64_SSSE3)
+    if (ngx_loom_b64_has_vbmi == -1) {
+        ngx_loom_b64_has_vbmi = __builtin_cpu_supports("avx512vbmi")
+                                && __builtin_cpu_supports("avx512bw") ? 1 : 0;
+    }
+
+    if (ngx_loom_b64_has_vbmi && len >= 64) {
+        full = ngx_loom_b64_vbmi(src, len, d);
+        src += full;
+        len -= full;
+        d += full / 3 * 4;
+    }
+
     if (ngx_loom_b64_has_ssse3 == -1) {
         ngx_loom_b64_has_ssse3 = __builtin_cpu_supports("ssse3") ? 1 : 0;
     }
