@@ -4,6 +4,13 @@ lua-resty-timer-ng when PEER_TIMER_NG names a checkout of it), side by side
 in one run, variants alternating, medians over the repetitions.
 
   python3 bench/timer/run.py [--reps 3] [--duration 10] [--counts 0,1000,...]
+                             [--variants native,loom,floor,ng,base]
+
+Variants: native ngx.timer, resty.loom.timer, "floor" (the same callbacks
+in a plain loop from one native timer: what the callbacks alone cost), ng
+(lua-resty-timer-ng, when PEER_TIMER_NG names a checkout) and base
+(resty.loom.timer from BASE_LOOM_LIB, a lib/ directory of another checkout:
+an A/B baseline in the same run).
 
 Writes bench/results/timer.json. Needs wrk and a built module (make build).
 The machine may be shared: the figures are noisy; see the "note" field.
@@ -25,6 +32,7 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 import benchcli  # noqa: E402
 
 PEER = os.environ.get("PEER_TIMER_NG")
+BASE_LIB = os.environ.get("BASE_LOOM_LIB")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 HTTP = """
@@ -73,13 +81,16 @@ location = /get {
 
 
 def variants():
-    return ["native", "loom"] + (["ng"] if PEER else [])
+    return (["native", "loom", "floor"] + (["ng"] if PEER else [])
+            + (["base"] if BASE_LIB else []))
 
 
 def start(variant, workers=2, n=0, iv=0.1):
     peer = ""
     if variant == "ng":
         peer = "%s/lib/?.lua;%s/lib/?/init.lua;" % (PEER, PEER)
+    elif variant == "base":
+        peer = "%s/?.lua;" % BASE_LIB
     http = HTTP % {"root": ROOT, "peer": peer, "variant": variant, "n": n,
                    "iv": repr(iv)}
     ngx = Nginx(workers=workers, http=http, server=SERVER,
@@ -351,7 +362,9 @@ def table(path):
     med = res["medians"]
     vs = res["setup"]["variants"]
     names = {"native": "native ngx.timer", "loom": "resty.loom.timer",
-             "ng": "lua-resty-timer-ng 0.2.7"}
+             "ng": "lua-resty-timer-ng 0.2.7",
+             "floor": "floor (plain loop)",
+             "base": "resty.loom.timer (baseline)"}
     out = ["Measured %s, %d repetitions, medians. %s." % (
         res["date"], res["setup"]["reps"],
         res["note"][:1].upper() + res["note"][1:]), ""]
@@ -360,7 +373,7 @@ def table(path):
     out.append("| | schedule µs | cancel µs | heap B/timer | RSS B/timer "
                "| heap B/timer after cancel + GC |")
     out.append("|---|---|---|---|---|---|")
-    for v in vs:
+    for v in [v for v in vs if v != "floor"]:
         m = med["micro"][v]
         out.append("| %s | %s | %s | %s | %s | %s |" % (
             names[v], fmt(m["schedule_us"], 2), fmt(m["cancel_us"], 3),
@@ -372,7 +385,7 @@ def table(path):
     out.append("")
     out.append("| | all 5,000 done after (s) | idle CPU, % of a core |")
     out.append("|---|---|---|")
-    for v in vs:
+    for v in [v for v in vs if v != "floor"]:
         out.append("| %s | %s | %s |" % (
             names[v], fmt(med["sleepers"][v]["seconds"], 2),
             fmt(med["idle"][v]["cpu_pct_of_core"], 2)))
@@ -382,17 +395,18 @@ def table(path):
                "(callbacks: % of the expected N x 20 per second; CPU: both "
                "workers, % of one core):")
     out.append("")
-    out.append("| N | variant | RPS | vs native | p99 ms | CPU load / idle "
-               "| RSS MB/worker | callbacks load | callbacks idle "
-               "| early fires |")
-    out.append("|---|---|---|---|---|---|---|---|---|---|")
+    out.append("| N | variant | RPS | vs native | vs 0 timers | p99 ms "
+               "| CPU load / idle | RSS MB/worker | callbacks load "
+               "| callbacks idle | early fires |")
+    out.append("|---|---|---|---|---|---|---|---|---|---|---|")
     for n, row in sorted(med["recurring"].items(), key=lambda x: int(x[0])):
         for v in vs:
             m = row[v]
-            out.append("| %s | %s | %s | %s | %s | %s / %s | %s | %s | %s "
-                       "| %s |" % (
+            out.append("| %s | %s | %s | %s | %s | %s | %s / %s | %s | %s "
+                       "| %s | %s |" % (
                            "{:,}".format(int(n)), names[v],
                            fmt(m["rps"], 0), fmt(m.get("rps_vs_native"), 2),
+                           fmt(m.get("rps_vs_no_timers"), 3),
                            fmt(m["p99_ms"], 1),
                            fmt(m["worker_cpu_pct_load"], 0),
                            fmt(m["worker_cpu_pct_idle"], 0),
@@ -419,6 +433,9 @@ def main():
     ap.add_argument("--counts", default="0,1000,10000,50000",
                     help="recurring timers per worker, one cell each "
                          "(default 0,1000,10000,50000)")
+    ap.add_argument("--variants", default="",
+                    help="variants to run, comma-separated (default: all "
+                         "available)")
     ap.add_argument("--skip", default="",
                     help="parts to leave out, comma-separated: micro, "
                          "recurring, sleep, idle")
@@ -432,6 +449,8 @@ def main():
     skip = set(filter(None, args.skip.split(",")))
     counts = [int(x) for x in args.counts.split(",")]
     vs = variants()
+    if args.variants:
+        vs = [v for v in args.variants.split(",") if v in vs]
     # micro, sleepers and idle: ~10 s a cell; recurring: idle + wrk + start
     benchcli.announce(__doc__, args.reps * len(vs) * (
         10 * len({"micro", "sleep", "idle"} - skip)
@@ -463,14 +482,21 @@ def main():
         write(args, raw, failures, counts, vs, load_before, started)
 
     for rep in range(args.reps):
+        # the floor only differs from native in the recurring cells
         if "micro" not in skip:
             for v in order(rep):
+                if v == "floor":
+                    continue
                 attempt("micro", micro_cell, v)
         if "sleep" not in skip:
             for v in order(rep):
+                if v == "floor":
+                    continue
                 attempt("sleepers", sleepers_cell, v)
         if "idle" not in skip:
             for v in order(rep):
+                if v == "floor":
+                    continue
                 attempt("idle", idle_cell, v)
         if "recurring" not in skip:
             for n in counts:
@@ -509,6 +535,15 @@ def write(args, raw, failures, counts, vs, load_before, started):
             if nat and row[v].get("rps") is not None:
                 row[v]["rps_vs_native"] = row[v]["rps"] / nat
         med["recurring"][str(n)] = row
+    # the issue's figure: RPS with N timers over the same variant's RPS
+    # with none (medians of the same run)
+    none = med["recurring"].get("0")
+    for n in counts:
+        for v in vs:
+            row = med["recurring"][str(n)][v]
+            r0 = none and none[v].get("rps")
+            if r0 and row.get("rps") is not None:
+                row["rps_vs_no_timers"] = row["rps"] / r0
 
     result = {
         "benchmark": "bench-timer",

@@ -1,6 +1,8 @@
 -- Lua side of bench/timer/run.py: the same workloads on native ngx.timer,
 -- resty.loom.timer and (when PEER_TIMER_NG names a checkout) Kong's
--- lua-resty-timer-ng.
+-- lua-resty-timer-ng; "floor" runs the recurring callbacks in a plain loop
+-- from one native timer (the least any timer library can cost), "base" is
+-- resty.loom.timer from another checkout (BASE_LOOM_LIB: an A/B baseline).
 
 local ffi = require "ffi"
 
@@ -49,9 +51,11 @@ local at, every, cancel
 local function bind(variant)
     if variant == "native" then
         at, every = ngx.timer.at, ngx.timer.every
-    elseif variant == "loom" then
+    elseif variant == "loom" or variant == "base" then
         local timer = require "resty.loom.timer"
         at, every, cancel = timer.at, timer.every, timer.cancel
+    elseif variant == "floor" then
+        at, every = ngx.timer.at, nil
     else
         at = function(delay, cb, ...)
             return tng:at(delay, cb, ...)
@@ -141,6 +145,22 @@ function _M.init_worker(n, iv)
     end
     base = mono()
     tick_iv = iv
+    if _M.variant == "floor" and n > 0 then
+        -- the same callbacks, created the same way, called in a plain loop
+        -- every interval (yielding to nothing: the floor of the CPU cost)
+        local m = n
+        local sts = table.new(m, 0)
+        for i = 1, m do
+            local now = mono()
+            sts[i] = { now, 0, iv, floor((now - base) / iv) }
+        end
+        assert(ngx.timer.every(iv, function(premature)
+            for i = 1, m do
+                tick(premature, sts[i])
+            end
+        end))
+        n = 0
+    end
     for _ = 1, n do
         local now = mono()
         local ok, err = every(iv, tick, { now, 0, iv,

@@ -682,3 +682,36 @@ case("arrays that move while a callback runs", function()
     eq(site.runs, 5, "site runs")
     eq(site.pending, 1, "site pending")
 end)
+
+
+case("a run's end time comes from the lap clock when one is given", function()
+    -- the driver's lap clock (the time-stamp counter in nginx) times each
+    -- run; the plain clock still schedules
+    local e = { now = 1e9, lap_now = 0 }
+    local t = core.new({
+        clock = function() return e.now end,
+        lap = function() return e.lap_now end,
+    })
+    local runs = 0
+    t:every(0.1, function()
+        runs = runs + 1
+        e.lap_now = e.now + 250         -- this run took 250 us
+    end)
+    for _ = 1, 3 do
+        e.now = e.now + 100000
+        t:advance(e.now)
+        while t:run_next(e.now) do end
+    end
+    eq(runs, 3, "runs")
+    eq(t.last_end, e.now + 250, "end of the last run")
+    local site
+    for _, s in pairs(t:stats().sites) do
+        site = s
+    end
+    eq(site.run_time.max, 0.00025, "run time from the lap clock")
+    eq(site.skipped, 0, "no tick skipped")
+    eq(t:counts().pending, 1, "re-armed")
+    local ok, err = pcall(core.new, { clock = os.clock, lap = 1 })
+    check(not ok and tostring(err):find("opts.lap must be", 1, true),
+          "lap is checked: " .. tostring(err))
+end)

@@ -36,6 +36,7 @@ local function any() end
 local RULES = {
     resolution = options.number(0.001, 1),
     clock = options.func,
+    lap = options.func,
     wake = options.func,
     ctx = any,
     log = options.func,
@@ -92,6 +93,7 @@ function _M.new(opts)
     local self = {
         res = res_us,
         clock = clock,
+        lap = opts.lap or clock,    -- a cheaper clock within a run (us)
         wake = opts.wake,           -- wake(ctx): the earliest deadline moved
         ctx = opts.ctx,
         log = opts.log or default_log,
