@@ -11,7 +11,11 @@
    counters, after draining until they stop changing), tick times and the
    bus's own publish-to-handler latency. With PEER_WORKER_EVENTS=<checkout
    of lua-resty-worker-events> every cell also runs with that library
-   (Kong 2.8 settings), alternating A B / B A.
+   (Kong 2.8 settings), alternating A B / B A. With BENCH_FLOOR=1 every
+   cell also runs as "floor": no bus at all, every worker's timer decodes,
+   every interval, the events "all" delivery would give it (pre-encoded,
+   same payload, one table each) and calls the same handler: what any
+   in-process bus must do at least, so the best RPS a bus can reach.
 2. The raw bus, no HTTP load: 1 and 4 workers, ~100 B and ~10 KiB payloads;
    worker 0 publishes to "all" as fast as overflow = "wait" lets it, and
    the rate is the events every worker received over the time until the
@@ -74,7 +78,9 @@ RAW = [(1, "100"), (1, "10k"), (4, "100"), (4, "10k")]
 
 PAYLOAD_NAMES = {"100": "~100 B", "10k": "~10 KiB"}
 LIB_NAMES = {"loom": "resty.loom.events",
-             "worker-events": "lua-resty-worker-events"}
+             "worker-events": "lua-resty-worker-events",
+             "floor": "floor (decode + handler, no bus)"}
+FLOOR = os.environ.get("BENCH_FLOOR") == "1"
 
 
 def log(*a):
@@ -340,7 +346,7 @@ def totals(st):
 def drain(n, lib, timeout=60):
     """Waits until every worker got every accepted event, or until the
     counters stop changing. Returns (seconds, final stats)."""
-    stable_for = 1.5 if lib == "loom" else 3.0
+    stable_for = 3.0 if lib == "worker-events" else 1.5
     t0 = time.time()
     last, last_change = None, time.time()
     while True:
@@ -424,7 +430,10 @@ def kong_run(lib, posters, scen, rep):
         run["tick_ms_avg"] = round(1000 * ts / tk, 2) if tk else None
         run["tick_ms_max"] = round(1000 * max(
             (x.get("tick_max") or 0) for x in ws), 2) if tk else None
-        run["tick_us_per_event"] = (round(1e6 * ts / (tk * count), 2)
+        # a floor tick handles what every poster published
+        per_tick = count * (2 if lib == "floor" and posters == "all"
+                            else 1)
+        run["tick_us_per_event"] = (round(1e6 * ts / (tk * per_tick), 2)
                                     if tk and count else None)
         errs = {}
         for x in ws:
@@ -614,6 +623,19 @@ def kong_medians(runs):
     for m in out:
         if base.get(m["lib"]) and m.get("rps"):
             m["rps_pct_of_none"] = round(100 * m["rps"] / base[m["lib"]], 1)
+    # the same, per repetition (a run against the none run of its own
+    # repetition and library: the drift of a noisy host cancels better)
+    rbase = {(r["lib"], r["rep"]): r["rps"] for r in runs
+             if r["scenario"] == "none" and r.get("rps")}
+    for m in out:
+        pct = [100 * r["rps"] / rbase[(r["lib"], r["rep"])] for r in runs
+               if (r["posters"], r["scenario"], r["lib"]) == (
+                   m["posters"], m["scenario"], m["lib"])
+               and r.get("rps") and rbase.get((r["lib"], r["rep"]))]
+        if pct and m["scenario"] != "none":
+            m["rps_pct_of_none_per_rep"] = [round(v, 1) for v in pct]
+            m["rps_pct_of_none_rep_median"] = round(
+                statistics.median(pct), 1)
     return out
 
 
@@ -707,6 +729,20 @@ def targets(kong, raw):
         if not c:
             continue
         ok_del = c.get("all_delivered_runs") == c["runs"]
+        f = cell(posters, scen, "floor")
+        if f:
+            # the goal next to what no in-process bus can beat here
+            res.append({
+                "target": "issue 27 floor: %s (%s posting): decode + "
+                          "handler only, no bus" % (SCENARIOS[scen][2],
+                                                    posters),
+                "goal_pct": pct,
+                "floor_pct_of_none_rep_median": f.get(
+                    "rps_pct_of_none_rep_median"),
+                "loom_pct_of_none_rep_median": c.get(
+                    "rps_pct_of_none_rep_median"),
+                "met": None,
+            })
         t = {
             "target": "issue 27: %s (%s posting): RPS >= %d%% of none%s, "
                       "100%% delivered" % (
@@ -824,6 +860,33 @@ def markdown(data):
                 "-" if r.get("low_rate_p99_ms") is None else "%s / %s" % (
                     fmt(r["low_rate_p50_ms"], 3),
                     fmt(r["low_rate_p99_ms"], 3))))
+    fl = [m for m in kong if m["lib"] == "floor" and m["scenario"] != "none"]
+    if fl:
+        lines.append("")
+        lines.append("| posters | scenario | goal % of none | floor % of "
+                     "none | resty.loom.events % of none | loom - floor "
+                     "(points) | floor tick µs/event | loom publish "
+                     "tick µs/event |")
+        lines.append("|" + "---|" * 8)
+        for f in fl:
+            lo = next((m for m in kong if m["lib"] == "loom" and (
+                m["posters"], m["scenario"]) == (f["posters"],
+                                                 f["scenario"])), {})
+            goal = {("one", "C"): 95, ("one", "D"): 85,
+                    ("all", "C"): 92}.get((f["posters"], f["scenario"]))
+            a = f.get("rps_pct_of_none_rep_median")
+            b = lo.get("rps_pct_of_none_rep_median")
+            lines.append("| %s | %s | %s | %s (%s) | %s (%s) | %s | %s | %s |"
+                         % (f["posters"], SCENARIOS[f["scenario"]][2],
+                            fmt(goal), fmt(a, 1), ", ".join(
+                                fmt(v, 1) for v in
+                                f.get("rps_pct_of_none_per_rep", [])),
+                            fmt(b, 1), ", ".join(
+                                fmt(v, 1) for v in
+                                lo.get("rps_pct_of_none_per_rep", [])),
+                            fmt(b - a, 1) if a is not None and b is not None
+                            else "-", fmt(f.get("tick_us_per_event"), 2),
+                            fmt(lo.get("tick_us_per_event"), 2)))
     tg = data.get("targets", [])
     if tg:
         lines.append("")
@@ -874,7 +937,8 @@ def main():
             PEER, "lib", "resty", "worker", "events.lua")):
         sys.exit("PEER_WORKER_EVENTS=%s has no lib/resty/worker/events.lua"
                  % PEER)
-    libs = ["loom"] + (["worker-events"] if PEER else [])
+    libs = (["loom"] + (["worker-events"] if PEER else [])
+            + (["floor"] if FLOOR else []))
     cells = CELLS
     if os.environ.get("BENCH_CELLS"):
         cells = [tuple(c.split(":"))
@@ -899,7 +963,13 @@ def main():
                    "interval 1, wait_interval 0.010, wait_max 0.5 "
                    "(Kong 2.8)",
                    "payload_kong": "Lua table of 7 fields (~100 B "
-                   "serialised), differing only in a counter"},
+                   "serialised), differing only in a counter",
+                   "floor": "no bus; every worker's timer decodes, every "
+                   "interval, n events per poster from pre-encoded "
+                   "string.buffer bytes (source, event, data: one table "
+                   "each) and calls the counting handler; no yield inside "
+                   "a tick; the posters' encode cost is not included"
+                   if FLOOR else None},
         "loadavg_start": loadavg(),
         "foreign_processes_start": foreign_processes(),
     }

@@ -8,13 +8,18 @@
 -- Modes:
 --   kong  every `interval` seconds publish `n` events to "all" from worker 0
 --         (posters = "one") or from every worker (posters = "all") while
---         the harness flag "posting" is set
+--         the harness flag "posting" is set. With lib = "floor" there is
+--         no bus: every worker's timer does, per interval, only what any
+--         in-process bus must do in a receiving worker (decode the events
+--         "all" delivery gives it from pre-encoded bytes, one table each,
+--         and call the handler): the floor of the scenario
 --   sat   raw bus: worker 0 measures the cost of one publish, then
 --         publishes as fast as the bus lets it for `duration` seconds
 --   lat   raw bus: worker 0 publishes at `rate` events/s for `duration`
 --         seconds; the bus's own publish-to-handler histogram is reported
 
 local ffi = require "ffi"
+local buffer = require "string.buffer"
 local cjson = require "cjson.safe"
 
 local ngx = ngx
@@ -191,6 +196,69 @@ local function kong_poster(premature)
 end
 
 
+-- floor: the payloads of a tick, encoded once like the bus's bodies
+-- (source, event, data); each tick decodes them all again
+local floor_raw, floor_len
+
+
+local function floor_encode(count)
+    local enc = buffer.new()
+    for seq = 1, count do
+        payload.seq = seq
+        enc:encode(SOURCE)
+        enc:encode(EVENT)
+        enc:encode(payload)
+    end
+    floor_raw = enc
+    floor_len = #enc
+end
+
+
+-- floor mode: per interval, decode the events this worker would receive
+-- (n per poster) and hand each to the handler; no yield inside a tick
+local function floor_ticker(premature)
+    if premature then
+        return
+    end
+    local dec = buffer.new()
+    local decode = dec.decode
+    local n, interval = cfg.n, cfg.interval
+    local per_tick = n * (cfg.posters == "all" and ngx.worker.count() or 1)
+    local own = (cfg.posters == "all" or worker_id() == 0) and n or 0
+    floor_encode(per_tick)
+    while not exiting() do
+        if shm:get("posting") == 1 then
+            local t0 = mono()
+            busy = 1
+            dec:set(floor_raw:ref(), floor_len)
+            for _ = 1, per_tick do
+                local source = decode(dec)
+                local event = decode(dec)
+                local data = decode(dec)
+                if source == SOURCE and event == EVENT then
+                    on_event(data)
+                end
+            end
+            -- what the bus's posters would have published this tick
+            attempted = attempted + own
+            accepted = accepted + own
+            local dt = mono() - t0
+            ticks = ticks + 1
+            tick_sum = tick_sum + dt
+            if dt > tick_max then
+                tick_max = dt
+            end
+            busy = 0
+            flush(false)
+            local left = t0 + interval - mono()
+            ngx_sleep(left > 0.001 and left or 0.001)
+        else
+            ngx_sleep(0.02)
+        end
+    end
+end
+
+
 local function wait_flag()
     while shm:get("go") ~= 1 do
         if exiting() then
@@ -313,7 +381,7 @@ function _M.init_worker()
         publish = function(data)
             return bus:publish("all", SOURCE, EVENT, data)
         end
-    else
+    elseif cfg.lib ~= "floor" then
         local we = require "resty.worker.events"
         -- Kong 2.8's production settings
         local ok, err = we.configure({
@@ -337,7 +405,11 @@ function _M.init_worker()
     assert(timer_at(0, flusher))
 
     local mode = cfg.mode
-    if mode == "kong" then
+    if mode == "kong" and cfg.lib == "floor" then
+        if cfg.n > 0 then
+            assert(timer_at(0, floor_ticker))
+        end
+    elseif mode == "kong" then
         if cfg.n > 0 and (cfg.posters == "all" or w == (cfg.poster or 0))
         then
             assert(timer_at(0, kong_poster))
