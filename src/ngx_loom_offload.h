@@ -203,7 +203,6 @@ typedef struct {
     pthread_mutex_t              lock;         /* fd against exit */
     loom_offload_task_t         *done;         /* atomic, newest first */
     int                          fd;
-    int                          looking;      /* atomic: drain_ev posted */
 
     /* main thread */
     ngx_uint_t                   inited;
@@ -211,7 +210,6 @@ typedef struct {
     ngx_uint_t                   edge;         /* edge-triggered eventfd */
     ngx_uint_t                   wakeups;
     ngx_connection_t            *conn;
-    ngx_event_t                  drain_ev;     /* end of the iteration */
     ngx_queue_t                  queues;
     loom_offload_task_t         *garbage;
     ngx_event_t                  gc_event;
@@ -268,24 +266,6 @@ extern __thread loom_offload_queue_t  *ngx_loom_offload_tls_q;
 
 /* ngx_loom_offload_task.c: the worker's runtimes, tasks, channel */
 extern ngx_loom_offload_worker_t  ngx_loom_offload_w;
-
-
-/*
- * The event loop is awake and will take the completion list at the end
- * of this iteration (drain_ev, a posted event, runs right before the
- * next epoll_wait): answers published until then need no eventfd write,
- * and wake nothing. Called where the loop knows it is awake: a
- * submission, the eventfd's read handler
- */
-static ngx_inline void
-ngx_loom_offload_looking(ngx_loom_offload_worker_t *w)
-{
-    if (!w->drain_ev.posted && w->conn) {
-        /* relaxed: a thread that sees it late only writes the eventfd */
-        __atomic_store_n(&w->looking, 1, __ATOMIC_RELAXED);
-        ngx_post_event(&w->drain_ev, &ngx_posted_events);
-    }
-}
 
 
 /* ngx_loom_offload_completion.c */

@@ -5,12 +5,9 @@
  * Offload completion: how an answer gets from a runtime thread back into
  * the event loop. host->answer() copies the response into the task and
  * pushes the task on the worker's lock-free completion list, writing the
- * worker's eventfd only when that list was empty and the event loop is
- * not known to be awake: an iteration that submitted a call or read the
- * eventfd takes the list at its end (a posted event) anyway. The eventfd
- * sits in the nginx event loop on a connection of its own; its read
- * handler drains the list and posts the calls' semaphores on the main
- * thread. A call
+ * worker's eventfd only when that list was empty. The eventfd sits in the
+ * nginx event loop on a connection of its own; its read handler drains
+ * the list and posts the calls' semaphores on the main thread. A call
  * that expects a fast answer may instead poll for it right after
  * submission (ngx_loom_offload_ffi_poll), and the answer is then handed
  * over without the eventfd. The connection is marked idle, so that nginx
@@ -42,8 +39,6 @@
 
 
 static void ngx_loom_offload_read_handler(ngx_event_t *rev);
-static void ngx_loom_offload_drain_handler(ngx_event_t *ev);
-static void ngx_loom_offload_drain(ngx_loom_offload_worker_t *w);
 static void ngx_loom_offload_done(loom_offload_task_t *t);
 static void ngx_loom_offload_started(loom_offload_queue_t *q);
 static void ngx_loom_offload_exiting(ngx_uint_t now);
@@ -192,18 +187,6 @@ ngx_loom_offload_publish(loom_offload_task_t *t)
         return;
     }
 
-    /*
-     * the push before the load of looking, as the event loop stores 0
-     * in looking before it takes the list (ngx_loom_offload_drain_handler):
-     * either the loop's take finds this task, or this sees looking at 0
-     */
-    __atomic_thread_fence(__ATOMIC_SEQ_CST);
-
-    if (__atomic_load_n(&w->looking, __ATOMIC_RELAXED)) {
-        /* the event loop takes the list before it sleeps again */
-        return;
-    }
-
     pthread_mutex_lock(&w->lock);
 
     if (w->fd != -1) {
@@ -275,10 +258,6 @@ ngx_loom_offload_channel_open(u_char *err, size_t *errlen)
 
     w->conn = c;
 
-    w->drain_ev.handler = ngx_loom_offload_drain_handler;
-    w->drain_ev.data = w;
-    w->drain_ev.log = ngx_cycle->log;
-
     pthread_mutex_lock(&w->lock);
     w->fd = fd;
     pthread_mutex_unlock(&w->lock);
@@ -294,12 +273,6 @@ ngx_loom_offload_channel_close(void)
     ngx_loom_offload_worker_t  *w;
 
     w = &ngx_loom_offload_w;
-
-    if (w->drain_ev.posted) {
-        ngx_delete_posted_event(&w->drain_ev);
-    }
-
-    __atomic_store_n(&w->looking, 0, __ATOMIC_RELAXED);
 
     pthread_mutex_lock(&w->lock);
 
@@ -319,6 +292,7 @@ ngx_loom_offload_read_handler(ngx_event_t *rev)
 {
     uint64_t                    v;
     ngx_connection_t           *c;
+    loom_offload_task_t        *t, *next, *list;
     ngx_loom_offload_worker_t  *w;
 
     w = &ngx_loom_offload_w;
@@ -341,47 +315,7 @@ ngx_loom_offload_read_handler(ngx_event_t *rev)
                       "[loom.offload] eventfd read() failed");
     }
 
-    /*
-     * answers that come while this iteration's other events are handled
-     * are taken at its end, without writing the eventfd
-     */
-    ngx_loom_offload_looking(w);
-
-    ngx_loom_offload_drain(w);
-}
-
-
-/*
- * The end of an iteration in which the event loop was awake: answers
- * published from now on write the eventfd again, and those published
- * since it was marked awake are taken now
- */
-static void
-ngx_loom_offload_drain_handler(ngx_event_t *ev)
-{
-    ngx_loom_offload_worker_t  *w;
-
-    w = ev->data;
-
-    __atomic_store_n(&w->looking, 0, __ATOMIC_RELAXED);
-
-    /* pairs with the fence in ngx_loom_offload_publish */
-    __atomic_thread_fence(__ATOMIC_SEQ_CST);
-
-    ngx_loom_offload_drain(w);
-}
-
-
-/* takes the completion list and completes its tasks, oldest first */
-static void
-ngx_loom_offload_drain(ngx_loom_offload_worker_t *w)
-{
-    loom_offload_task_t  *t, *next, *list;
-
-    /*
-     * the next answer published after this writes the eventfd again,
-     * unless the event loop is marked awake (w->looking)
-     */
+    /* the next answer published after this writes the eventfd again */
     list = __atomic_exchange_n(&w->done, NULL, __ATOMIC_ACQUIRE);
 
     /* the list is newest first: reverse it */

@@ -245,9 +245,6 @@ ngx_loom_offload_ffi_submit(ngx_http_request_t *r, loom_offload_queue_t *q,
     q->seq_conn = r->main->connection->number;
     q->seq_req = r->main->connection->requests;
 
-    /* the answer, if it comes before the loop sleeps, needs no eventfd */
-    ngx_loom_offload_looking(w);
-
     if (t->kick && !q->kick_ev.posted) {
         ngx_post_event(&q->kick_ev, &ngx_posted_events);
     }

@@ -50,8 +50,8 @@ void ngx_loom_offload_ffi_release(loom_offload_task_t *t);
 
 
 ngx_loom_offload_worker_t  ngx_loom_offload_w = {
-    PTHREAD_MUTEX_INITIALIZER, NULL, -1, 0,
-    0, 0, 0, 0, NULL, { 0 }, { NULL, NULL }, NULL,
+    PTHREAD_MUTEX_INITIALIZER, NULL, -1,
+    0, 0, 0, 0, NULL, { NULL, NULL }, NULL,
     { 0 }, 0, 0, { 0 }, NULL, NULL, NULL
 };
 
