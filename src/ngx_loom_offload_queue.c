@@ -57,6 +57,10 @@
 #define LOOM_SEQ_NS                  3000
 
 
+/* a spinner that saw a task tries the mutex this many times, then blocks */
+#define LOOM_LOCK_SPINS              512
+
+
 static void ngx_loom_offload_back(loom_offload_queue_t *q, uint64_t now);
 static ngx_uint_t ngx_loom_offload_wakes(loom_offload_queue_t *q,
     uint64_t now);
@@ -93,7 +97,7 @@ ngx_loom_offload_ffi_submit(ngx_http_request_t *r, loom_offload_queue_t *q,
     size_t                      cap, head;
     u_char                     *p;
     uint64_t                    now;
-    ngx_uint_t                  seq;
+    ngx_uint_t                  seq, wake;
     ngx_http_cleanup_t         *cln;
     loom_offload_task_t        *t;
     ngx_loom_offload_rctx_t    *rctx;
@@ -163,6 +167,7 @@ ngx_loom_offload_ffi_submit(ngx_http_request_t *r, loom_offload_queue_t *q,
 
     *p = '\0';
     now = ngx_loom_offload_now_ns();
+    wake = 0;
 
     t->req_len = head + len;
     t->cap = cap;
@@ -210,10 +215,10 @@ ngx_loom_offload_ffi_submit(ngx_http_request_t *r, loom_offload_queue_t *q,
              * poll for the answer, so the thread is needed now
              */
             q->waking++;
+            wake = 1;
             t->woke = 1;
             t->poll = 1;
             t->wake_poll = seq;
-            pthread_cond_signal(&q->cond);
 
         } else {
             t->kick = 1;
@@ -225,6 +230,17 @@ ngx_loom_offload_ffi_submit(ngx_http_request_t *r, loom_offload_queue_t *q,
     }
 
     pthread_mutex_unlock(&q->mtx);
+
+    if (wake) {
+        /*
+         * after the unlock: signalled under the mutex, the woken thread
+         * blocked at once on the mutex still held here, and the unlock
+         * then cost a second futex wake-up. The task is queued under the
+         * mutex, so a thread that leaves its wait for any other reason
+         * in between sees it: no wake-up is lost
+         */
+        pthread_cond_signal(&q->cond);
+    }
 
     q->seq_conn = r->main->connection->number;
     q->seq_req = r->main->connection->requests;
@@ -352,7 +368,20 @@ ngx_loom_offload_wait(loom_offload_queue_t *q, int timeout_ms,
         /* how long the spin lasted: deadline is its start plus spin */
         now = ngx_loom_offload_now_ns();
 
-        pthread_mutex_lock(&q->mtx);
+        /*
+         * the submitter that queued the task may still hold the mutex
+         * for a few instructions: blocking on it now would cost its
+         * unlock a futex wake-up, on the event loop's CPU time
+         */
+        for (n = 0; pthread_mutex_trylock(&q->mtx) != 0; n++) {
+            if (n == LOOM_LOCK_SPINS) {
+                pthread_mutex_lock(&q->mtx);
+                break;
+            }
+
+            ngx_loom_cpu_relax();
+        }
+
         q->spinners--;
 
         if (!ngx_queue_empty(&q->pending)
@@ -535,15 +564,16 @@ ngx_loom_offload_kick_handler(ngx_event_t *ev)
     n = ngx_loom_offload_wakes(q, now);
     q->waking += n;
 
-    while (n--) {
-        pthread_cond_signal(&q->cond);
-    }
-
     left = !q->closed
            && q->sleepers > q->waking
            && q->npending > q->spinners + q->waking;
 
     pthread_mutex_unlock(&q->mtx);
+
+    /* after the unlock, as in ngx_loom_offload_ffi_submit */
+    while (n--) {
+        pthread_cond_signal(&q->cond);
+    }
 
     if (left && !q->wake_ev.timer_set) {
         ngx_add_timer(&q->wake_ev, LOOM_WAKE_CHECK_MS);
