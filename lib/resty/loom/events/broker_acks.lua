@@ -79,17 +79,15 @@ end
 
 
 -- The worker has received the first n events written on connection c:
--- they leave the queue. (The acknowledgements this allows go out once per
--- read, after all the frames of the read: see broker_reader.lua. Each
--- round is a pass over every queue, so once per acknowledgement made the
--- broker's work per event grow with the square of the workers.)
-local function on_received(q, c, n)
+-- they leave the queue.
+local function on_received(b, q, c, n)
     if q.writer ~= c then
         -- (a connection whose writer waits for the previous one's turn to
         -- end has had nothing written yet)
         return
     end
     local sent = q.sent
+    local freed = 0
     while true do
         local upto, bytes, events = sent:first()
         if not upto or upto > n then
@@ -99,6 +97,10 @@ local function on_received(q, c, n)
         q.buf:skip(bytes)
         q.sent_bytes = q.sent_bytes - bytes
         q.sent_events = q.sent_events - events
+        freed = freed + events
+    end
+    if freed > 0 then
+        send_acks(b)
     end
 end
 

@@ -8,10 +8,8 @@ local yield = require("resty.loom.yield").yield
 local bqueue = require "resty.loom.events.broker_queue"
 local acks = require "resty.loom.events.broker_acks"
 local route = require "resty.loom.events.broker_route"
-local new_tab = require "table.new"
 
 local frame_seq = frame.seq
-local check_event = frame.check_event
 local tostring = tostring
 
 local T_EVENT = frame.EVENT
@@ -25,10 +23,6 @@ local READ_SIZE = frame.READ_SIZE
 local YIELD_BYTES = frame.YIELD_BYTES
 local EXACT_MIN = frame.EXACT_MIN
 local CHUNK = frame.CHUNK
-local FRAME_SIZE = frame.FRAME_SIZE
-local ALL = frame.ALL
-local OTHERS = frame.OTHERS
-local RUN_MAX = 256                -- events forwarded in one run at most
 local HELLO_TIMEOUT = 2            -- seconds to send a valid hello
 local SEND_TIMEOUT = 60            -- seconds a write to a busy worker may take
 
@@ -36,110 +30,66 @@ local wake_writer = bqueue.wake_writer
 local send_acks = acks.send_acks
 local on_received = acks.on_received
 local forward = route.forward
-local forward_run = route.forward_run
 local forward_urgent = route.forward_urgent
 
 
 local _M = { _VERSION = "0.2.0" }
 
 
--- Forwards the run of events to "all" or "others" that consume() has
--- gathered (their frames are still in rbuf: skipped, not overwritten).
-local function flush_run(bus, b, c, p, bytes, n)
-    if n > 0 then
-        forward_run(bus, b, c, p, bytes, n, c.run_seqs)
-    end
-end
-
-
 -- Handles the whole frames at the front of rbuf, from c's worker (a
--- chunked event is collected in c.partial across calls). Consecutive
--- events to "all" or "others", each in one frame, go out as one run (one
--- copy per target; the frames are as the broker would have made them);
--- anything else first sends the run on, so that order is kept. Returns
--- the bytes still missing of the next frame (0: unknown), true when the
+-- chunked event is collected in c.partial across calls). Returns the
+-- bytes still missing of the next frame (0: unknown), true when the
 -- worker said bye, or nil and what was wrong.
 local function consume(bus, b, c, rbuf)
     local max_payload = bus.opts.max_payload
-    local seqs = c.run_seqs
-    if not seqs then
-        seqs = new_tab(RUN_MAX, 0)
-        c.run_seqs = seqs
-    end
-    local run_p, run_bytes, run_n = nil, 0, 0
     while true do
         local h, pp, size = frame.peek(rbuf, CHUNK)
-        if not h then
-            flush_run(bus, b, c, run_p, run_bytes, run_n)
-            if h == nil then
-                return pp
-            end
+        if h == nil then
+            return pp
+        end
+        if h == false then
             return nil, pp
         end
         local typ = h.type
         if typ == T_EVENT then
             local seq = frame_seq(h)
+            local ok, why = true
             local p, len = frame.collect(c, seq, h, pp, max_payload)
-            local target
-            if p == pp then
-                -- (a whole event in this frame)
-                local e = check_event(p, len)
-                target = e and e.target
+            if p == false then
+                return nil, len
             end
-            if target == ALL or target == OTHERS then
-                if run_n == 0 then
-                    run_p = pp - FRAME_SIZE
-                end
-                run_n = run_n + 1
-                seqs[run_n] = seq
-                run_bytes = run_bytes + size
-            else
-                flush_run(bus, b, c, run_p, run_bytes, run_n)
-                run_n, run_bytes = 0, 0
-                if p == false then
-                    return nil, len
-                end
-                if p then
-                    local ok, why = forward(bus, b, c, seq, p, len)
-                    c.partial = nil
-                    if not ok then
-                        return nil, why
-                    end
-                end
+            if p then
+                ok, why = forward(bus, b, c, seq, p, len)
+                c.partial = nil
+            end
+            if not ok then
+                return nil, why
             end
 
-        else
-            flush_run(bus, b, c, run_p, run_bytes, run_n)
-            run_n, run_bytes = 0, 0
-            if typ == T_URGENT then
-                local ok, why = forward_urgent(bus, b, c, pp, h.len)
-                if not ok then
-                    return nil, why
-                end
-
-            elseif typ == T_PING then
-                frame.put_empty(c.ctl, T_PONG, frame_seq(h))
-                wake_writer(c.q)
-
-            elseif typ == T_BYE then
-                -- the worker is leaving and has sent all it had; it reads
-                -- until we close
-                return true
-
-            elseif typ == T_ACK then
-                -- the worker has received this many events of ours
-                on_received(c.q, c, frame_seq(h))
-
-            elseif typ ~= T_PONG then
-                -- (a stray pong is harmless)
-                return nil, "unexpected frame type " .. tostring(typ)
+        elseif typ == T_URGENT then
+            local ok, why = forward_urgent(bus, b, c, pp, h.len)
+            if not ok then
+                return nil, why
             end
+
+        elseif typ == T_PING then
+            frame.put_empty(c.ctl, T_PONG, frame_seq(h))
+            wake_writer(c.q)
+
+        elseif typ == T_BYE then
+            -- the worker is leaving and has sent all it had; it reads
+            -- until we close
+            return true
+
+        elseif typ == T_ACK then
+            -- the worker has received this many events of ours
+            on_received(b, c.q, c, frame_seq(h))
+
+        elseif typ ~= T_PONG then
+            -- (a stray pong is harmless)
+            return nil, "unexpected frame type " .. tostring(typ)
         end
         rbuf:skip(size)
-        if run_n == RUN_MAX then
-            flush_run(bus, b, c, run_p, run_bytes, run_n)
-            run_n, run_bytes = 0, 0
-        end
     end
 end
 
@@ -180,8 +130,7 @@ local function reader(bus, b, c)
         if not need then
             return nil, why
         end
-        -- once per read, not per event or per confirmation received: acks
-        -- for what is written
+        -- once per read, not per event: acks for what is written
         send_acks(b)
         since_yield = since_yield + #data
         if since_yield >= YIELD_BYTES then

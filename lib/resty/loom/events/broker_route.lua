@@ -8,7 +8,6 @@ local frame = require "resty.loom.events.frame"
 local bqueue = require "resty.loom.events.broker_queue"
 
 local ffi_string = ffi.string
-local frame_at = frame.at
 local ngx_now = ngx.now
 local crc32 = ngx.crc32_short
 
@@ -168,55 +167,6 @@ local function forward_urgent(bus, b, c, p, len)
 end
 
 
--- A run of k events to "all" or "others" from c's worker, each one whole
--- frame: their frames as it sent them (bytes at p), which are the frames
--- every target gets. A queue with room for the whole run takes it in one
--- copy; one without takes the events one at a time (enqueue: it may wait,
--- or drop). seqs[1..k]: the events' sequence numbers, for the acks.
-local function forward_run(bus, b, c, p, bytes, k, seqs)
-    local bidx = b.next_bidx
-    b.next_bidx = bidx + k
-    b.stats.forwarded = b.stats.forwarded + k
-    local from = c.wid
-    local opts = bus.opts
-    local max_n, max_bytes = opts.max_backlog, opts.max_queue_bytes
-    for wid = opts.privileged_agent and AGENT or 0, bus.worker_count - 1 do
-        if wid ~= from then
-            local q = queue(b, wid)
-            if not q.gone and unwritten(q) + k <= max_n
-               and #q.buf - q.sent_bytes + bytes <= max_bytes then
-                q.buf:putcdata(p, bytes)
-                q.n = q.n + k
-                local mine = q.by[from] or 0
-                if mine == 0 then
-                    q.publishers = q.publishers + 1
-                end
-                q.by[from] = mine + k
-                if not q.first_bidx or bidx < q.first_bidx then
-                    q.first_bidx = bidx
-                end
-                wake_writer(q)
-            else
-                local off = 0
-                for i = 1, k do
-                    local h, pp, size = frame_at(p + off)
-                    enqueue(bus, b, q, from, seqs[i], bidx + i - 1, pp,
-                            h.len)
-                    off = off + size
-                end
-            end
-        end
-    end
-    -- (after the enqueues, which may have waited: see forward)
-    local ackq = c.ackq
-    if ackq then
-        for i = 1, k do
-            ackq:push(bidx + i - 1, seqs[i])
-        end
-    end
-end
-
-
 local function forward(bus, b, c, seq, p, len)
     local e, why = frame.check_event(p, len)
     if not e then
@@ -280,7 +230,6 @@ end
 
 
 _M.forward = forward
-_M.forward_run = forward_run
 _M.forward_urgent = forward_urgent
 
 

@@ -92,14 +92,8 @@ local function send_queued(q, c, left, bidx)
         -- (the pointer and the sent part again after every send: enqueue
         -- appends, and acknowledgements take from the front, meanwhile)
         local p = buf:ref() + q.sent_bytes
-        local size, events, open
-        if off == 0 and left <= WRITE_MAX then
-            -- the rest of the batch in one write: its events, no scan
-            -- (a batch ends where an event does)
-            size, events, open = left, c.batch_events - c.written, false
-        else
-            size, events, open = frame.whole_frames(p + off, left, WRITE_MAX)
-        end
+        local size, events, open = frame.whole_frames(p + off, left,
+                                                      WRITE_MAX)
         local ok, err = sock:send(ffi_string(p + off, size))
         if not ok then
             c.closed = true
