@@ -161,6 +161,21 @@ end
 
 -- kong mode: n events every interval while the "posting" flag is set; a
 -- tick that overruns its period is followed at once by the next one
+-- a tick that started at t0 is over: its time, then sleep out the interval
+local function end_tick(t0, interval)
+    local dt = mono() - t0
+    ticks = ticks + 1
+    tick_sum = tick_sum + dt
+    if dt > tick_max then
+        tick_max = dt
+    end
+    busy = 0
+    flush(false)
+    local left = t0 + interval - mono()
+    ngx_sleep(left > 0.001 and left or 0.001)
+end
+
+
 local function kong_poster(premature)
     if premature then
         return
@@ -179,16 +194,7 @@ local function kong_poster(premature)
                     break
                 end
             end
-            local dt = mono() - t0
-            ticks = ticks + 1
-            tick_sum = tick_sum + dt
-            if dt > tick_max then
-                tick_max = dt
-            end
-            busy = 0
-            flush(false)
-            local left = t0 + interval - mono()
-            ngx_sleep(left > 0.001 and left or 0.001)
+            end_tick(t0, interval)
         else
             ngx_sleep(0.02)
         end
@@ -242,16 +248,7 @@ local function floor_ticker(premature)
             -- what the bus's posters would have published this tick
             attempted = attempted + own
             accepted = accepted + own
-            local dt = mono() - t0
-            ticks = ticks + 1
-            tick_sum = tick_sum + dt
-            if dt > tick_max then
-                tick_max = dt
-            end
-            busy = 0
-            flush(false)
-            local left = t0 + interval - mono()
-            ngx_sleep(left > 0.001 and left or 0.001)
+            end_tick(t0, interval)
         else
             ngx_sleep(0.02)
         end
