@@ -326,6 +326,17 @@ local function put_record(f, off, key, klen, src, len, comma)
 end
 
 
+-- writes a record to file f (from exit_file()); with comma, the message
+-- at src lacks its leading comma. Returns its ref.
+local function put(sp, f, key, klen, src, len, comma)
+    local off = f.fill
+    sp.bytes = sp.bytes + put_record(f, off, key, klen, src, len, comma)
+    sp.spooled = sp.spooled + 1
+    return f.fid * FID + off
+end
+_M.put = put
+
+
 -- ref = append(sp, key, klen, src, len): writes a record of ordering key
 -- `key` and the message of `len` bytes at src (with its leading comma);
 -- its ref, or nil when the spool cannot take it now (warned, counted)
@@ -338,10 +349,7 @@ function _M.append(sp, key, klen, src, len)
             return nil
         end
     end
-    local off = f.fill
-    sp.bytes = sp.bytes + put_record(f, off, key, klen, src, len, false)
-    sp.spooled = sp.spooled + 1
-    return f.fid * FID + off
+    return put(sp, f, key, klen, src, len, false)
 end
 
 
@@ -364,14 +372,6 @@ function _M.exit_file(sp, bytes)
 end
 
 
--- writes a record to file f (from exit_file()); with comma, the message
--- at src lacks its leading comma. Returns its ref.
-function _M.put(sp, f, key, klen, src, len, comma)
-    local off = f.fill
-    sp.bytes = sp.bytes + put_record(f, off, key, klen, src, len, comma)
-    sp.spooled = sp.spooled + 1
-    return f.fid * FID + off
-end
 
 
 -- the record of ref is done with (acknowledged, dropped or reported):
