@@ -116,14 +116,19 @@ local function run_handler(self, sub, data, event, source, wid, pid)
 end
 
 
+-- a live subscription to this source and event (wildcards included)
+local function matches(sub, source, event)
+    return not sub.removed
+           and (sub.source == "*" or sub.source == source)
+           and (sub.event == "*" or sub.event == event)
+end
+
+
 -- true when a live subscription matches
 local function wanted(self, source, event)
     local list = self.sub_list
     for i = 1, #list do
-        local sub = list[i]
-        if not sub.removed
-           and (sub.source == "*" or sub.source == source)
-           and (sub.event == "*" or sub.event == event) then
+        if matches(list[i], source, event) then
             return true
         end
     end
@@ -172,9 +177,7 @@ local function dispatch(self, source, event, data, wid, pid)
     local list = self.sub_list
     for i = 1, #list do
         local sub = list[i]
-        if not sub.removed
-           and (sub.source == "*" or sub.source == source)
-           and (sub.event == "*" or sub.event == event) then
+        if matches(sub, source, event) then
             run_handler(self, sub, data, event, source, wid, pid)
         end
     end
