@@ -1,5 +1,6 @@
 """Broker and subscriber crashes, reloads, accept_mutex: exact counts."""
 
+import itertools
 import json
 import os
 import re
@@ -335,15 +336,19 @@ def test_stopped_worker_noticed_by_heartbeat(nginx):
     assert all(s["stats"]["gaps"] == 0 for s in st.values())
 
 
+_RIDS = itertools.count()
+
+
 def pub_from_broker(n, query):
     """Publishes from worker 0 (another worker may be stopped: it cannot
     take the request, and any it took would hang, hence a timeout and a
-    retry). The timeout is well past the heartbeat timeout: worker 0's
-    publish can wait that long for the stopped worker's share, and a retry
-    after a late success would publish everything twice."""
+    retry). worker 0's publish can wait as long as the heartbeat timeout
+    for the stopped worker's share; the request id makes a retry after a
+    late success answer with that success instead of publishing again."""
+    rid = "%d-%d" % (os.getpid(), next(_RIDS))
     for _ in range(400):
         try:
-            r = n.get("/ev/pub?only=0&" + query, timeout=10)
+            r = n.get("/ev/pub?only=0&rid=%s&%s" % (rid, query), timeout=10)
         except Exception:  # noqa: BLE001 - taken by the stopped worker
             continue
         if r.status == 200:

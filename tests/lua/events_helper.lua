@@ -11,6 +11,7 @@ local last_n = {}       -- publisher -> last n seen (ordering check)
 local order_errors = 0
 local total = 0
 local sizes = {}
+local requests = {}     -- request id -> "running" or its JSON answer
 local gap_calls = {}    -- publisher -> missing events reported to on_gap
 local trace = {}        -- data.n of source "trace", in the order handled
 
@@ -129,6 +130,20 @@ function _M.handle()
             ngx.say("worker ", ngx.worker.id())
             return
         end
+        -- a request id makes a retried publish answer with the first
+        -- one's result instead of publishing again (a client that timed
+        -- out retries a request that may have succeeded late)
+        local rid = a.rid
+        if rid and requests[rid] then
+            while requests[rid] == "running" do
+                ngx.sleep(0.05)
+            end
+            ngx.say(requests[rid])
+            return
+        end
+        if rid then
+            requests[rid] = "running"
+        end
         local n = tonumber(a.n or 1)
         local target = a.target or "all"
         if tonumber(target) then
@@ -174,8 +189,12 @@ function _M.handle()
                 errs[err] = (errs[err] or 0) + 1
             end
         end
-        ngx.say(cjson.encode({ ok = okc, errors = errs,
-                               worker = ngx.worker.id() }))
+        local res = cjson.encode({ ok = okc, errors = errs,
+                                   worker = ngx.worker.id() })
+        if rid then
+            requests[rid] = res
+        end
+        ngx.say(res)
     elseif what == "state" then
         ngx.say(cjson.encode(state()))
     elseif what == "collect" then
