@@ -30,6 +30,8 @@ local wake_writer = bqueue.wake_writer
 local send_acks = acks.send_acks
 local on_received = acks.on_received
 local forward = route.forward
+local forward_run = route.forward_run
+local run_length = route.run_length
 local forward_urgent = route.forward_urgent
 
 
@@ -37,11 +39,13 @@ local _M = { _VERSION = "0.2.0" }
 
 
 -- Handles the whole frames at the front of rbuf, from c's worker (a
--- chunked event is collected in c.partial across calls). Returns the
+-- chunked event is collected in c.partial across calls; a run of events
+-- to "all" or "others" goes on as one, see forward_run). Returns the
 -- bytes still missing of the next frame (0: unknown), true when the
 -- worker said bye, or nil and what was wrong.
 local function consume(bus, b, c, rbuf)
     local max_payload = bus.opts.max_payload
+    local single = 0        -- events of a run to forward one at a time
     while true do
         local h, pp, size = frame.peek(rbuf, CHUNK)
         if h == nil then
@@ -51,7 +55,26 @@ local function consume(bus, b, c, rbuf)
             return nil, pp
         end
         local typ = h.type
-        if typ == T_EVENT then
+        local run = 0           -- bytes of a run forwarded as one
+        if typ == T_EVENT and single == 0 and not c.partial then
+            -- events to "all" or "others" in a row: one copy per queue
+            local p, n = rbuf:ref()
+            local k, bytes = run_length(p, n)
+            if k > 0 then
+                if forward_run(bus, b, c, p, k, bytes) then
+                    run = bytes
+                else
+                    single = k
+                end
+            end
+        end
+        if run > 0 then
+            size = run
+
+        elseif typ == T_EVENT then
+            if single > 0 then
+                single = single - 1
+            end
             local seq = frame_seq(h)
             local ok, why = true
             local p, len = frame.collect(c, seq, h, pp, max_payload)

@@ -8,6 +8,11 @@ local frame = require "resty.loom.events.frame"
 local bqueue = require "resty.loom.events.broker_queue"
 
 local ffi_string = ffi.string
+local peek_at = frame.peek_at
+local whole = frame.whole
+local check_event = frame.check_event
+local frame_at = frame.at
+local frame_seq = frame.seq
 local ngx_now = ngx.now
 local crc32 = ngx.crc32_short
 
@@ -20,6 +25,8 @@ local ALL = frame.ALL
 local OTHERS = frame.OTHERS
 local UNIQUE = frame.UNIQUE
 local AGENT = frame.AGENT
+local CHUNK = frame.CHUNK
+local RUN_MAX = 256                -- events forwarded as one run at most
 
 local queue = bqueue.queue
 local wake_writer = bqueue.wake_writer
@@ -167,6 +174,80 @@ local function forward_urgent(bus, b, c, p, len)
 end
 
 
+-- The run of frames at p (n bytes there) that forward_run() can take: at
+-- most RUN_MAX, each a valid frame with a whole event to "all" or
+-- "others". Returns their number and bytes (0, 0: the first is not one).
+local function run_length(p, n)
+    local k, off = 0, 0
+    while k < RUN_MAX do
+        local h, pp, size = peek_at(p + off, n - off, CHUNK)
+        if not h or h.type ~= T_EVENT or not whole(h, pp) then
+            break
+        end
+        local e = check_event(pp, h.len)
+        local target = e and e.target
+        if target ~= ALL and target ~= OTHERS then
+            break
+        end
+        k, off = k + 1, off + size
+    end
+    return k, off
+end
+
+
+-- Forwards the run of k events (bytes at p, see run_length) from c's
+-- worker when every target's queue has room for all of it: each queue
+-- takes the frames as they came, in one copy (they are the frames the
+-- broker would make). Returns false, having done nothing, when one has
+-- not: the caller forwards them one at a time (they may wait, or drop),
+-- and only then takes them off its buffer, so that an event is always in
+-- the buffer or in its queues, never in neither (what a fast stop counts).
+local function forward_run(bus, b, c, p, k, bytes)
+    local opts = bus.opts
+    local max_n, max_bytes = opts.max_backlog, opts.max_queue_bytes
+    local from = c.wid
+    local first, last = opts.privileged_agent and AGENT or 0,
+                        bus.worker_count - 1
+    local queues = b.queues
+    for wid = first, last do
+        local q = wid ~= from and queues[wid]
+        if q and (q.gone or unwritten(q) + k > max_n
+                  or #q.buf - q.sent_bytes + bytes > max_bytes) then
+            return false
+        end
+    end
+    local bidx = b.next_bidx
+    b.next_bidx = bidx + k
+    b.stats.forwarded = b.stats.forwarded + k
+    for wid = first, last do
+        if wid ~= from then
+            local q = queue(b, wid)
+            q.buf:putcdata(p, bytes)
+            q.n = q.n + k
+            local mine = q.by[from] or 0
+            if mine == 0 then
+                q.publishers = q.publishers + 1
+            end
+            q.by[from] = mine + k
+            if not q.first_bidx or bidx < q.first_bidx then
+                q.first_bidx = bidx
+            end
+            wake_writer(q)
+        end
+    end
+    local ackq = c.ackq
+    if ackq then
+        local off = 0
+        for i = 0, k - 1 do
+            local h, _, size = frame_at(p + off)
+            ackq:push(bidx + i, frame_seq(h))
+            off = off + size
+        end
+    end
+    return true
+end
+
+
 local function forward(bus, b, c, seq, p, len)
     local e, why = frame.check_event(p, len)
     if not e then
@@ -230,6 +311,8 @@ end
 
 
 _M.forward = forward
+_M.run_length = run_length
+_M.forward_run = forward_run
 _M.forward_urgent = forward_urgent
 
 

@@ -280,12 +280,12 @@ function _M.put_urgent(buf, target, publisher, pid, incarnation)
 end
 
 
--- Looks at the frame at the front of buf. Returns nil and the number of
--- bytes still missing when it is not complete yet (0 for an empty buf);
--- false, reason when the bytes are not a valid frame; otherwise the header
--- pointer, the payload pointer and the frame's size (trailer included).
-function _M.peek(buf, max_len)
-    local p, n = buf:ref()
+-- Looks at the frame at p (n bytes there; peek: at the front of buf).
+-- Returns nil and the number of bytes still missing when it is not
+-- complete yet (0 for none); false, reason when the bytes are not a valid
+-- frame; otherwise the header pointer, the payload pointer and the frame's
+-- size (trailer included).
+local function peek_at(p, n, max_len)
     if n < FRAME_SIZE then
         return nil, n == 0 and 0 or FRAME_SIZE - n
     end
@@ -311,6 +311,21 @@ function _M.peek(buf, max_len)
         return false, "bad trailer"
     end
     return h, p + FRAME_SIZE, size
+end
+_M.peek_at = peek_at
+
+
+function _M.peek(buf, max_len)
+    local p, n = buf:ref()
+    return peek_at(p, n, max_len)
+end
+
+
+-- Whether the frame at h (payload pp) carries a whole event: neither
+-- followed by more chunks nor a later chunk of one.
+function _M.whole(h, pp)
+    return h.flags ~= FLAG_MORE
+           and ffi_cast(TRAILER_PTR, pp + h.len).part == 0
 end
 
 
