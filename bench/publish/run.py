@@ -14,6 +14,12 @@ side by side and alternated A B C ... A B C ...:
   loom-spool    the same with a spool in "always" mode: every message is
                 appended to a mapped file before send() returns and marked
                 done once acknowledged (the files under the nginx prefix)
+  floor-fake    the floor: the same messages' JSON (base64 by the same C
+                function) appended to a batch per worker, cut at the same
+                bytes, count and delay, POSTed from a timer over one
+                keep-alive cosocket; nothing else (no checks, accounting,
+                retries or callbacks)
+  floor-fake-half  the floor on every 2nd request
   naive-fake    one HTTP publish per request over a keep-alive cosocket,
                 waited for in the request (the "brute force" way)
   loom-emu      resty.loom.publish to Google's Pub/Sub emulator
@@ -56,12 +62,14 @@ ROUNDS = int(os.environ.get("BENCH_ROUNDS", "3"))
 CONNECTIONS = int(os.environ.get("BENCH_CONNECTIONS", "64"))
 SCENARIOS = os.environ.get(
     "BENCH_SCENARIOS",
-    "none,loom-fake,loom-fake-half,naive-fake,loom-emu,naive-emu"
+    "none,loom-fake,loom-fake-half,floor-fake,floor-fake-half,naive-fake,"
+    "loom-emu,naive-emu"
 ).split(",")
 OUT = os.environ.get("BENCH_OUT", "publish.json")
 PATHS = {"none": "/none", "loom-fake": "/loom", "loom-emu": "/loom",
          "loom-fake-half": "/loom-half",
          "loom-spool": "/loom-spool", "naive-fake": "/naive",
+         "floor-fake": "/floor", "floor-fake-half": "/floor-half",
          "naive-emu": "/naive"}
 PROJECT = "bench-proj"
 TOPIC = "bench-topic"
@@ -92,10 +100,10 @@ init_worker_by_lua_block {
     -- every 2nd request of the worker publishes; the others do what
     -- /none does (counted apart: "accepted" counts sends)
     BENCH.n = 0
-    function BENCH.send_half(p)
+    function BENCH.half(send, p)
         BENCH.n = BENCH.n + 1
         if BENCH.n %% 2 == 0 then
-            return BENCH.send(p)
+            return send(p)
         end
         local attrs = { host = "edge-1", path = ngx.var.uri,
                         seq = tostring(ngx.var.connection_requests) }
@@ -104,6 +112,7 @@ init_worker_by_lua_block {
         end
         ngx.say("ok")
     end
+    %(floor)s
     if conf.sink then
         BENCH.p = publish.new({
             project = conf.project, topic = conf.topic,
@@ -130,8 +139,77 @@ init_worker_by_lua_block {
                                  pool_size = 128, read_timeout = 10 })
         BENCH.path = "/v1/projects/" .. conf.project .. "/topics/"
                      .. conf.topic .. ":publish"
+        BENCH.floor(host, tonumber(port))
     end
 }
+"""
+
+# The floor (floor-fake): what any publisher of these messages does at
+# least. A request appends its message's JSON to the worker's batch (the
+# data base64-encoded by the same C function as resty.loom.publish); a
+# timer cuts the batch at resty.loom.publish's default bytes, count and
+# delay and POSTs it over one keep-alive cosocket, reading the answer
+# without decoding it. No checks, no per-message accounting, no retries,
+# no callbacks, one request in flight.
+FLOOR = """
+    local b64 = require "resty.loom.publish.base64"
+    local semaphore = require "ngx.semaphore"
+    local F = { buf = require("string.buffer").new(), n = 0,
+                sema = semaphore.new() }
+    local MAX_BYTES, MAX_N, DELAY = 1000000, 1000, 0.05
+    local dlen = #BENCH.data
+    local elen = b64.encoded_len(dlen)
+    function BENCH.floor_send()
+        local attrs = { host = "edge-1", path = ngx.var.uri,
+                        seq = tostring(ngx.var.connection_requests) }
+        local b = F.buf
+        b:put(F.n > 0 and ',{"data":"' or '{"data":"')
+        b:commit(b64.encode_into(b:reserve(elen), BENCH.data, dlen))
+        b:put('","attributes":{"host":"', attrs.host, '","path":"',
+              attrs.path, '","seq":"', attrs.seq, '"}}')
+        F.n = F.n + 1
+        if not F.full and (F.n >= MAX_N or #b >= MAX_BYTES) then
+            -- (once per batch: the sender may be busy with the last one)
+            F.full = true
+            F.sema:post(1)
+        end
+        ngx.shared.bench:incr("accepted", 1, 0)
+        ngx.say("ok")
+    end
+    function BENCH.floor(host, port)
+        local head = "POST " .. BENCH.path .. " HTTP/1.1\\r\\nHost: "
+                     .. host .. "\\r\\nContent-Type: application/json\\r\\n"
+                     .. "Content-Length: "
+        local sock
+        local function post(body, n)
+            if not sock then
+                sock = ngx.socket.tcp()
+                sock:settimeout(10000)
+                assert(sock:connect(host, port))
+            end
+            assert(sock:send({ head, #body + 15, "\\r\\n\\r\\n",
+                               '{"messages":[', body, "]}" }))
+            local h = assert(sock:receiveuntil("\\r\\n\\r\\n")())
+            assert(sock:receive(tonumber(h:match("Content%-Length: (%d+)"))))
+            ngx.shared.bench:incr(h:find(" 200 ", 1, true) and "acked"
+                                  or "failed", n, 0)
+        end
+        ngx.timer.at(0, function()
+            while not ngx.worker.exiting() do
+                F.sema:wait(DELAY)
+                if F.n > 0 then
+                    local n = F.n
+                    F.n, F.full = 0, false
+                    local ok, err = pcall(post, F.buf:get(), n)
+                    if not ok then
+                        sock = nil
+                        ngx.shared.bench:incr("failed", n, 0)
+                        ngx.log(ngx.WARN, "bench floor failed: ", err)
+                    end
+                end
+            end
+        end)
+    end
 """
 
 SERVER = """
@@ -150,7 +228,13 @@ location = /loom {
     content_by_lua_block { BENCH.send(BENCH.p) }
 }
 location = /loom-half {
-    content_by_lua_block { BENCH.send_half(BENCH.p) }
+    content_by_lua_block { BENCH.half(BENCH.send, BENCH.p) }
+}
+location = /floor {
+    content_by_lua_block { BENCH.floor_send() }
+}
+location = /floor-half {
+    content_by_lua_block { BENCH.half(BENCH.floor_send) }
 }
 location = /loom-spool {
     content_by_lua_block { BENCH.send(BENCH.ps) }
@@ -237,7 +321,7 @@ def counters(n):
 def start_nginx(sink):
     conf = json.dumps({"sink": sink, "project": PROJECT, "topic": TOPIC,
                        "spool": "$PREFIX/spool"})
-    n = Nginx(workers=2, http=HTTP % {"conf": conf}, server=SERVER,
+    n = Nginx(workers=2, http=HTTP % {"conf": conf, "floor": FLOOR}, server=SERVER,
               error_log_level="warn", worker_connections=4096)
     n.start()
     return n
@@ -274,7 +358,8 @@ def run_one(name, n, sink_obj):
         time.sleep(0.2)
     after = counters(n)
     acked = after["acked"] - before["acked"]
-    if name.startswith("loom") and not isinstance(sink_obj, FastSink):
+    if name.startswith(("loom", "floor")) \
+            and not isinstance(sink_obj, FastSink):
         res["lost"] = (after["accepted"] - before["accepted"]) - acked
     if name == "loom-spool":
         # (counted per worker: the nginx has 2; one answers /counters)
@@ -302,7 +387,7 @@ def run_one(name, n, sink_obj):
         res["sink_messages"] = got
         res["sink_requests"] = reqs
         res["http_requests_per_message"] = reqs / got if got else None
-        if name.startswith("loom"):
+        if name.startswith(("loom", "floor")):
             # accepted sends that never reached the sink
             res["lost"] = (after["accepted"] - before["accepted"]) - got
     elif name != "none" and acked:
@@ -406,7 +491,8 @@ def summarise(runs):
     # the workers' CPU each message adds to a request of "none"
     none_cpu = medians.get("none", {}).get("worker_cpu_us_per_request")
     for s, m in medians.items():
-        if none_cpu and s.startswith("loom") and m.get("acked_per_s") \
+        if none_cpu and s.startswith(("loom", "floor")) \
+                and m.get("acked_per_s") \
                 and m.get("worker_cpu_us_per_request"):
             per_req = m["acked_per_s"] / m["rps"]
             m["messages_per_request"] = per_req
