@@ -18,6 +18,7 @@ local evlog = require "resty.loom.events.log"
 
 local ngx = ngx
 local ngx_now = ngx.now
+local str_format = string.format
 local ngx_sleep = ngx.sleep
 local timer_at = ngx.timer.at
 local spawn = ngx.thread.spawn
@@ -39,6 +40,7 @@ local receive_urgent = collect.receive_urgent
 
 local ERR = ngx.ERR
 local WARN = ngx.WARN
+local UNREACHABLE_WARN = 1     -- seconds without the broker before a warning
 
 local T_ACK = frame.ACK
 local T_PING = frame.PING
@@ -250,6 +252,7 @@ local function client_loop(premature, self)
     end
     local backoff = 0.01
     local first = true
+    local down_since        -- the first failed attempt since the last link
     while not self.stopping do
         local sock = ngx.socket.tcp()
         sock:settimeout(2000)
@@ -259,6 +262,7 @@ local function client_loop(premature, self)
                 self.counters.reconnects = self.counters.reconnects + 1
             end
             first = false
+            down_since = nil
             self.connected = true
             self.ready = true
             backoff = 0.01
@@ -299,8 +303,18 @@ local function client_loop(premature, self)
                 if worker_exiting() then
                     break
                 end
-            elseif not worker_exiting() then
-                warn_once(self, "connect", "cannot reach the broker: ", err)
+            else
+                -- only a lasting failure is worth a warning: at a stop the
+                -- broker worker may exit before this one has seen the
+                -- signal, and a broker being respawned is back at once
+                local now = ngx_now()
+                down_since = down_since or now
+                if now - down_since >= UNREACHABLE_WARN
+                   and not worker_exiting() then
+                    warn_once(self, "connect", "cannot reach the broker for ",
+                              str_format("%.1f", now - down_since), " s: ",
+                              err)
+                end
             end
             if worker_exiting() and self.pending == 0 then
                 break
