@@ -208,9 +208,9 @@ local function forward_run(bus, b, c, p, k, bytes)
     local from = c.wid
     local first, last = opts.privileged_agent and AGENT or 0,
                         bus.worker_count - 1
-    local queues = b.queues
     for wid = first, last do
-        local q = wid ~= from and queues[wid]
+        -- (a queue made here is empty: the run must fit it too)
+        local q = wid ~= from and queue(b, wid)
         if q and (q.gone or unwritten(q) + k > max_n
                   or #q.buf - q.sent_bytes + bytes > max_bytes) then
             return false

@@ -97,8 +97,12 @@ local function count_left(self)
         unsent = self.unsent_q:len()
         if self.worker == self.opts.broker then
             -- what the broker has not taken yet of the batch it is
-            -- taking (the rest is in its queues)
+            -- taking (the rest is in its queues); a chunked event whose
+            -- first chunks it has taken counts by its first chunk, which
+            -- is no longer there
+            local link = self.local_link
             unacked = frame.count_events(self.spare:ref())
+                      + (link and link.partial and 1 or 0)
         else
             unacked = self.pending - unsent
         end
