@@ -122,9 +122,9 @@ def test_fast_stop_reports_what_it_loses(nginx, pub, spin, big):
     12,719 in 4 stops. A slow subscriber (spin) keeps the broker waiting
     for room in its queue with events in hand: those count too, and so
     does a chunked event (big) whose first chunks the broker has taken
-    (uncounted before: 2 of 4 such stops). (Up to
-    three starts, until one stops with events in flight: a stop may come
-    while the bus has caught up.)"""
+    (uncounted before: 2 of 4 such stops). (Up to three starts, until one
+    stops with events in flight: a stop may come while the bus has caught
+    up.)"""
     for _ in range(3):
         n = flooding(nginx, pub=pub, spin=spin, big=big)
         receiver, publisher = stop(n, signal.SIGTERM, pub)

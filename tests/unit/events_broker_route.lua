@@ -20,18 +20,9 @@ local buffer = require "string.buffer"
 local frame = require "resty.loom.events.frame"
 local bqueue = require "resty.loom.events.broker_queue"
 local route = require "resty.loom.events.broker_route"
-
-local function case(name, fn)
-    fn()
-    print("ok " .. name)
-end
-
-local function eq(a, b, msg)
-    if a ~= b then
-        error((msg or "") .. ": expected " .. tostring(b) .. ", got "
-              .. tostring(a), 2)
-    end
-end
+local unit = require "unit"
+local case = unit.case
+local eq = unit.eq
 
 
 local function broker(workers, backlog)

@@ -2,17 +2,10 @@
 
 local ffi = require "ffi"
 local array = require "resty.loom.timer.array"
+local unit = require "unit"
+local case = unit.case
+local check = unit.check
 
-local function case(name, fn)
-    fn()
-    print("ok " .. name)
-end
-
-local function check(cond, msg)
-    if not cond then
-        error(msg or "check failed", 2)
-    end
-end
 
 pcall(ffi.cdef, [[
 typedef struct { double a; int32_t b; int32_t c; } loom_timer_test_el_t;

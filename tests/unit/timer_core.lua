@@ -1,24 +1,10 @@
 -- Fake-clock unit tests of resty.loom.timer.core (pure LuaJIT, no nginx).
 
 local core = require "resty.loom.timer.core"
-
-local function case(name, fn)
-    fn()
-    print("ok " .. name)
-end
-
-local function check(cond, msg)
-    if not cond then
-        error(msg or "check failed", 2)
-    end
-end
-
-local function eq(a, b, msg)
-    if a ~= b then
-        error((msg or "") .. ": expected " .. tostring(b) .. ", got "
-              .. tostring(a), 2)
-    end
-end
+local unit = require "unit"
+local case = unit.case
+local check = unit.check
+local eq = unit.eq
 
 
 -- a fake clock in microseconds, plus a helper that drives the engine the

@@ -1,17 +1,9 @@
 -- Unit tests of resty.loom.flamegraph (folded stacks -> SVG).
 
 local fg = require "resty.loom.flamegraph"
-
-local function case(name, fn)
-    fn()
-    print("ok " .. name)
-end
-
-local function check(cond, msg)
-    if not cond then
-        error(msg or "check failed", 2)
-    end
-end
+local unit = require "unit"
+local case = unit.case
+local check = unit.check
 
 
 case("folded: sums, sorts, skips junk", function()

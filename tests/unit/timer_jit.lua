@@ -9,12 +9,9 @@
 local core = require "resty.loom.timer.core"
 local jutil = require "jit.util"
 local traceerr = require("jit.vmdef").traceerr
+local unit = require "unit"
+local check = unit.check
 
-local function check(cond, msg)
-    if not cond then
-        error(msg or "check failed", 2)
-    end
-end
 
 local aborts = {}
 local traces = 0

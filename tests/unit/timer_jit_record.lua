@@ -7,12 +7,9 @@
 
 local core = require "resty.loom.timer.core"
 local jutil = require "jit.util"
+local unit = require "unit"
+local check = unit.check
 
-local function check(cond, msg)
-    if not cond then
-        error(msg or "check failed", 2)
-    end
-end
 
 local side = {}
 jit.attach(function(what, tr, func, pc, otr)

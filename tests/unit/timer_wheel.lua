@@ -1,17 +1,9 @@
 -- Unit tests of resty.loom.timer.wheel (pure LuaJIT, no nginx).
 
 local wheel = require "resty.loom.timer.wheel"
-
-local function case(name, fn)
-    fn()
-    print("ok " .. name)
-end
-
-local function check(cond, msg)
-    if not cond then
-        error(msg or "check failed", 2)
-    end
-end
+local unit = require "unit"
+local case = unit.case
+local check = unit.check
 
 
 case("level boundaries fire exactly on their tick", function()

@@ -159,46 +159,49 @@ local function publish_one(seq)
 end
 
 
--- kong mode: n events every interval while the "posting" flag is set; a
--- tick that overruns its period is followed at once by the next one
--- a tick that started at t0 is over: its time, then sleep out the interval
-local function end_tick(t0, interval)
-    local dt = mono() - t0
-    ticks = ticks + 1
-    tick_sum = tick_sum + dt
-    if dt > tick_max then
-        tick_max = dt
-    end
-    busy = 0
-    flush(false)
-    local left = t0 + interval - mono()
-    ngx_sleep(left > 0.001 and left or 0.001)
-end
-
-
-local function kong_poster(premature)
-    if premature then
-        return
-    end
-    local n, interval = cfg.n, cfg.interval
-    local seq = 0
+-- runs tick() every interval while the "posting" flag is set, until the
+-- worker exits; a tick that overruns its period is followed at once by
+-- the next one. Each tick's time goes to the tick statistics.
+local function every_tick(interval, tick)
     while not exiting() do
         if shm:get("posting") == 1 then
             local t0 = mono()
             busy = 1
-            for i = 1, n do
-                seq = seq + 1
-                publish_one(seq)
-                -- a tick stops early once the runner stopped posting
-                if i % 1000 == 0 and shm:get("posting") ~= 1 then
-                    break
-                end
+            tick()
+            local dt = mono() - t0
+            ticks = ticks + 1
+            tick_sum = tick_sum + dt
+            if dt > tick_max then
+                tick_max = dt
             end
-            end_tick(t0, interval)
+            busy = 0
+            flush(false)
+            local left = t0 + interval - mono()
+            ngx_sleep(left > 0.001 and left or 0.001)
         else
             ngx_sleep(0.02)
         end
     end
+end
+
+
+-- kong mode: n events every interval while the "posting" flag is set
+local function kong_poster(premature)
+    if premature then
+        return
+    end
+    local n = cfg.n
+    local seq = 0
+    every_tick(cfg.interval, function()
+        for i = 1, n do
+            seq = seq + 1
+            publish_one(seq)
+            -- a tick stops early once the runner stopped posting
+            if i % 1000 == 0 and shm:get("posting") ~= 1 then
+                break
+            end
+        end
+    end)
 end
 
 
@@ -228,31 +231,24 @@ local function floor_ticker(premature)
     end
     local dec = buffer.new()
     local decode = dec.decode
-    local n, interval = cfg.n, cfg.interval
+    local n = cfg.n
     local per_tick = n * (cfg.posters == "all" and ngx.worker.count() or 1)
     local own = (cfg.posters == "all" or worker_id() == 0) and n or 0
     floor_encode(per_tick)
-    while not exiting() do
-        if shm:get("posting") == 1 then
-            local t0 = mono()
-            busy = 1
-            dec:set(floor_raw:ref(), floor_len)
-            for _ = 1, per_tick do
-                local source = decode(dec)
-                local event = decode(dec)
-                local data = decode(dec)
-                if source == SOURCE and event == EVENT then
-                    on_event(data)
-                end
+    every_tick(cfg.interval, function()
+        dec:set(floor_raw:ref(), floor_len)
+        for _ = 1, per_tick do
+            local source = decode(dec)
+            local event = decode(dec)
+            local data = decode(dec)
+            if source == SOURCE and event == EVENT then
+                on_event(data)
             end
-            -- what the bus's posters would have published this tick
-            attempted = attempted + own
-            accepted = accepted + own
-            end_tick(t0, interval)
-        else
-            ngx_sleep(0.02)
         end
-    end
+        -- what the bus's posters would have published this tick
+        attempted = attempted + own
+        accepted = accepted + own
+    end)
 end
 
 
