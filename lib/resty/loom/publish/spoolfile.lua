@@ -372,8 +372,6 @@ function _M.exit_file(sp, bytes)
 end
 
 
-
-
 -- the record of ref is done with (acknowledged, dropped or reported):
 -- marked so, and its file retired once none of its records is live
 function _M.release(sp, ref)
