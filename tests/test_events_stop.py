@@ -143,17 +143,20 @@ def test_fast_stop_reports_what_it_loses(nginx, pub, spin, big):
         assert "exit" not in receiver["dropped"]
         broker = publisher if pub == 0 else receiver
         assert broker["broker_dropped"].get("exit", 0) == held
-        # (and what the broker dropped on its way, before the stop: counted
-        # and logged then, seen by the receiver as gaps; the broker worker
-        # floods from its start, before the other worker connected)
+        # (and what the broker dropped on its way: counted and logged when
+        # dropped; the broker worker floods from its start, before the other
+        # worker connected. The receiver sees a drop as a gap only when a
+        # later event reaches it: not one in the stop itself, as when its
+        # connection closed first and the broker went on dropping for it)
         dropped = sum(v for k, v in broker["broker_dropped"].items()
                       if k != "exit")
-        assert receiver["gaps"] == dropped
         missing = publisher["published"] - receiver["handled"]
         print("published %d handled %d missing %d: not sent %d, not "
-              "acknowledged %d, not handled %d, held %d, dropped %d" % (
-                  publisher["published"], receiver["handled"], missing,
-                  unsent, unacked, unhandled, held, dropped))
+              "acknowledged %d, not handled %d, held %d, dropped %r, gaps %d"
+              % (publisher["published"], receiver["handled"], missing,
+                 unsent, unacked, unhandled, held, broker["broker_dropped"],
+                 receiver["gaps"]))
+        assert receiver["gaps"] <= dropped
         # nothing lost without a word; the events not sent and those left
         # in the receiver's handler queue are lost for sure; of those sent
         # and not acknowledged (or held by the broker), some may have been
