@@ -9,9 +9,13 @@ Kong scenario's harness: 10,000 events every 0.1 s to "all", from worker 0
 or from every worker), all running at the same time with no HTTP load, so
 that they share whatever the host is doing. The figure is the workers'
 utime + stime over the window divided by the events published in it.
+COST_LIBS names the harness's variants to run per checkout: "loom" (the
+default), "floor" (decode and handler only) and "floor-shm" (encode,
+shared memory, decode; see run.py), e.g. COST_LIBS=loom,floor,floor-shm.
 
 Knobs: COST_ROUNDS (3), COST_POSTERS ("one" or "all", default "one"),
-COST_SECONDS (8), BENCH_OUT (bench/results/events-cost-<posters>.json).
+COST_SECONDS (8), COST_LIBS ("loom"), BENCH_OUT
+(bench/results/events-cost-<posters>.json).
 """
 
 import datetime
@@ -26,6 +30,7 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 ROUNDS = int(os.environ.get("COST_ROUNDS", "3"))
 POSTERS = os.environ.get("COST_POSTERS", "one")
 SECONDS = float(os.environ.get("COST_SECONDS", "8"))
+LIBS = os.environ.get("COST_LIBS", "loom").split(",")
 OUT = os.environ.get("BENCH_OUT", os.path.join(
     ROOT, "bench", "results", "events-cost-%s.json" % POSTERS))
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -60,15 +65,17 @@ def published(runner, n):
 
 
 def one_round(runners):
+    """runners: (checkout's runner, variant) pairs, all at once."""
     cfg = {"mode": "kong", "n": 10000, "interval": 0.1, "posters": POSTERS,
            "payload": "100"}
     nginxes = []
     try:
-        for runner in runners:
-            n = runner.make_nginx("loom", 2, cfg)
+        for runner, lib in runners:
+            n = runner.make_nginx(lib, 2, cfg)
             n.start()
             nginxes.append(n)
             runner.wait_ready(n)
+        runners = [r for r, _ in runners]
         time.sleep(1)
         for runner, n in zip(runners, nginxes):
             runner.ctl(n, posting=1)
@@ -89,11 +96,14 @@ def one_round(runners):
 
 def main():
     checkouts = [os.path.abspath(d) for d in sys.argv[1:]] or [ROOT]
-    runners = [load_runner(d, i) for i, d in enumerate(checkouts)]
+    loaded = [load_runner(d, i) for i, d in enumerate(checkouts)]
+    runners = [(r, lib) for r in loaded for lib in LIBS]
+    names = [d if lib == "loom" else "%s (%s)" % (d, lib)
+             for d in checkouts for lib in LIBS]
     started = datetime.datetime.now(datetime.timezone.utc).isoformat()
-    per = {d: [] for d in checkouts}
+    per = {d: [] for d in names}
     for r in range(ROUNDS):
-        for d, us in zip(checkouts, one_round(runners)):
+        for d, us in zip(names, one_round(runners)):
             per[d].append(round(us, 3))
             print("round %d  %-40s %.3f µs/event" % (r + 1, d, us),
                   file=sys.stderr, flush=True)

@@ -15,7 +15,11 @@
    cell also runs as "floor": no bus at all, every worker's timer decodes,
    every interval, the events "all" delivery would give it (pre-encoded,
    same payload, one table each) and calls the same handler: what any
-   in-process bus must do at least, so the best RPS a bus can reach.
+   in-process bus must do at least, so the best RPS a bus can reach. And
+   as "floor-shm": the least an inter-worker bus must do, each poster
+   encoding its events into shared memory (mapped before the fork) every
+   interval and every worker decoding them from there, polling every
+   millisecond: no socket, no broker, no acknowledgement.
 2. The raw bus, no HTTP load: 1 and 4 workers, ~100 B and ~10 KiB payloads;
    worker 0 publishes to "all" as fast as overflow = "wait" lets it, and
    the rate is the events every worker received over the time until the
@@ -79,7 +83,8 @@ RAW = [(1, "100"), (1, "10k"), (4, "100"), (4, "10k")]
 PAYLOAD_NAMES = {"100": "~100 B", "10k": "~10 KiB"}
 LIB_NAMES = {"loom": "resty.loom.events",
              "worker-events": "lua-resty-worker-events",
-             "floor": "floor (decode + handler, no bus)"}
+             "floor": "floor (decode + handler, no bus)",
+             "floor-shm": "floor-shm (encode, shared memory, decode)"}
 FLOOR = os.environ.get("BENCH_FLOOR") == "1"
 
 
@@ -606,8 +611,8 @@ def kong_medians(runs):
                   "bus_latency_p99_ms"):
             m[f] = med(r.get(f) for r in rs)
         rs = full
-        # (the floor has no delivery: each worker's timer decodes on its
-        # own grid, and its counts stop where its last tick did)
+        # (the decode floor has no delivery: each worker's timer decodes
+        # on its own grid, and its counts stop where its last tick did)
         if scen != "none" and rs and m["lib"] != "floor":
             m["delivered_pct_of_attempted_worst"] = med(
                 100 * min(r["delivered"].values()) / r["attempted"]
@@ -741,6 +746,9 @@ def targets(kong, raw):
                 "goal_pct": pct,
                 "floor_pct_of_none_rep_median": f.get(
                     "rps_pct_of_none_rep_median"),
+                "floor_shm_pct_of_none_rep_median": (cell(
+                    posters, scen, "floor-shm") or {}).get(
+                    "rps_pct_of_none_rep_median"),
                 "loom_pct_of_none_rep_median": c.get(
                     "rps_pct_of_none_rep_median"),
                 "met": None,
@@ -867,28 +875,37 @@ def markdown(data):
     if fl:
         lines.append("")
         lines.append("| posters | scenario | goal % of none | floor % of "
-                     "none | resty.loom.events % of none | loom - floor "
+                     "none | floor-shm % of none | resty.loom.events % of "
+                     "none | loom - floor (points) | loom - floor-shm "
                      "(points) | floor tick µs/event | loom publish "
                      "tick µs/event |")
-        lines.append("|" + "---|" * 8)
+        lines.append("|" + "---|" * 10)
         for f in fl:
             lo = next((m for m in kong if m["lib"] == "loom" and (
                 m["posters"], m["scenario"]) == (f["posters"],
                                                  f["scenario"])), {})
             goal = {("one", "C"): 95, ("one", "D"): 85,
                     ("all", "C"): 92}.get((f["posters"], f["scenario"]))
+            sh = next((m for m in kong if m["lib"] == "floor-shm" and (
+                m["posters"], m["scenario"]) == (f["posters"],
+                                                 f["scenario"])), {})
             a = f.get("rps_pct_of_none_rep_median")
             b = lo.get("rps_pct_of_none_rep_median")
-            lines.append("| %s | %s | %s | %s (%s) | %s (%s) | %s | %s | %s |"
+            c = sh.get("rps_pct_of_none_rep_median")
+
+            def pct(m, v):
+                return "%s (%s)" % (fmt(v, 1), ", ".join(
+                    fmt(x, 1) for x in m.get("rps_pct_of_none_per_rep",
+                                             [])))
+
+            def diff(x, y):
+                return fmt(x - y, 1) if x is not None and y is not None \
+                    else "-"
+            lines.append("| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |"
                          % (f["posters"], SCENARIOS[f["scenario"]][2],
-                            fmt(goal), fmt(a, 1), ", ".join(
-                                fmt(v, 1) for v in
-                                f.get("rps_pct_of_none_per_rep", [])),
-                            fmt(b, 1), ", ".join(
-                                fmt(v, 1) for v in
-                                lo.get("rps_pct_of_none_per_rep", [])),
-                            fmt(b - a, 1) if a is not None and b is not None
-                            else "-", fmt(f.get("tick_us_per_event"), 2),
+                            fmt(goal), pct(f, a), pct(sh, c), pct(lo, b),
+                            diff(b, a), diff(b, c),
+                            fmt(f.get("tick_us_per_event"), 2),
                             fmt(lo.get("tick_us_per_event"), 2)))
     tg = data.get("targets", [])
     if tg:
@@ -941,7 +958,7 @@ def main():
         sys.exit("PEER_WORKER_EVENTS=%s has no lib/resty/worker/events.lua"
                  % PEER)
     libs = (["loom"] + (["worker-events"] if PEER else [])
-            + (["floor"] if FLOOR else []))
+            + (["floor", "floor-shm"] if FLOOR else []))
     cells = CELLS
     if os.environ.get("BENCH_CELLS"):
         cells = [tuple(c.split(":"))
@@ -972,6 +989,12 @@ def main():
                    "string.buffer bytes (source, event, data: one table "
                    "each) and calls the counting handler; no yield inside "
                    "a tick; the posters' encode cost is not included"
+                   if FLOOR else None,
+                   "floor_shm": "no bus; every interval each poster "
+                   "encodes its n events (string.buffer) and copies them "
+                   "into shared memory mapped before the fork, and every "
+                   "worker, polling every ms, decodes each poster's new "
+                   "events from there and calls the counting handler"
                    if FLOOR else None},
         "loadavg_start": loadavg(),
         "foreign_processes_start": foreign_processes(),

@@ -12,7 +12,11 @@
 --         no bus: every worker's timer does, per interval, only what any
 --         in-process bus must do in a receiving worker (decode the events
 --         "all" delivery gives it from pre-encoded bytes, one table each,
---         and call the handler): the floor of the scenario
+--         and call the handler): the floor of the scenario. With lib =
+--         "floor-shm", the least an inter-worker bus must do: each poster
+--         encodes its events and copies them into shared memory, every
+--         worker decodes each poster's events from there (no socket, no
+--         broker, no acknowledgement, no system call)
 --   sat   raw bus: worker 0 measures the cost of one publish, then
 --         publishes as fast as the bus lets it for `duration` seconds
 --   lat   raw bus: worker 0 publishes at `rate` events/s for `duration`
@@ -205,19 +209,40 @@ local function kong_poster(premature)
 end
 
 
--- floor: the payloads of a tick, encoded once like the bus's bodies
--- (source, event, data); each tick decodes them all again
-local floor_raw, floor_len
-
-
-local function floor_encode(count)
-    local enc = buffer.new()
-    for seq = 1, count do
+-- the floors' events: count of them appended to enc, each as the bus
+-- encodes a body (source, event, data), the payload's seq from first on
+local function encode_events(enc, first, count)
+    for seq = first, first + count - 1 do
         payload.seq = seq
         enc:encode(SOURCE)
         enc:encode(EVENT)
         enc:encode(payload)
     end
+end
+
+
+-- decodes every event in dec and hands each to the handler
+local function decode_events(dec)
+    local decode = dec.decode
+    while #dec > 0 do
+        local source = decode(dec)
+        local event = decode(dec)
+        local data = decode(dec)
+        if source == SOURCE and event == EVENT then
+            on_event(data)
+        end
+    end
+end
+
+
+-- floor: the payloads of a tick, encoded once; each tick decodes them all
+-- again
+local floor_raw, floor_len
+
+
+local function floor_encode(count)
+    local enc = buffer.new()
+    encode_events(enc, 1, count)
     floor_raw = enc
     floor_len = #enc
 end
@@ -230,25 +255,110 @@ local function floor_ticker(premature)
         return
     end
     local dec = buffer.new()
-    local decode = dec.decode
     local n = cfg.n
     local per_tick = n * (cfg.posters == "all" and ngx.worker.count() or 1)
     local own = (cfg.posters == "all" or worker_id() == 0) and n or 0
     floor_encode(per_tick)
     every_tick(cfg.interval, function()
         dec:set(floor_raw:ref(), floor_len)
-        for _ = 1, per_tick do
-            local source = decode(dec)
-            local event = decode(dec)
-            local data = decode(dec)
-            if source == SOURCE and event == EVENT then
-                on_event(data)
-            end
-        end
+        decode_events(dec)
         -- what the bus's posters would have published this tick
         attempted = attempted + own
         accepted = accepted + own
     end)
+end
+
+
+-- floor-shm: a region mapped before the fork (init_by_lua), shared by
+-- every worker: per poster a header (a generation counter and the length
+-- of each of two slots) and two slots of encoded events. A poster's tick
+-- encodes its events into a local buffer, copies them into the slot the
+-- next generation names and then publishes that generation; readers poll
+-- every millisecond and decode a generation's slot whole. Two slots: a
+-- reader has a whole interval to decode one before it is written again.
+ffi.cdef [[
+typedef struct {
+    volatile int32_t gen;
+    volatile int32_t len[2];
+} bench_ev_ring_t;
+void *bench_ev_mmap(void *addr, size_t len, int prot, int flags, int fd,
+                    long off) __asm__("mmap");
+]]
+local RING_PTR = ffi.typeof("bench_ev_ring_t *")
+local U8_PTR = ffi.typeof("uint8_t *")
+local HEADER = 64               -- bytes per poster's header (a cache line)
+local SLOT_PER_EVENT = 192      -- room per event in a slot (~125 B used)
+local MAX_WORKERS = 16
+local shm_base, shm_slot        -- the region, a slot's size
+
+
+local function shm_map(n)
+    shm_slot = n * SLOT_PER_EVENT
+    local size = MAX_WORKERS * (HEADER + 2 * shm_slot)
+    -- PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS
+    local p = ffi.C.bench_ev_mmap(nil, size, 3, 0x21, -1, 0)
+    assert(ffi.cast("intptr_t", p) ~= -1, "mmap failed")
+    shm_base = ffi.cast(U8_PTR, p)
+end
+
+
+local function shm_ring(w)
+    local at = shm_base + w * (HEADER + 2 * shm_slot)
+    return ffi.cast(RING_PTR, at), at + HEADER
+end
+
+
+-- floor-shm poster: per interval, n events encoded and published
+local function shm_poster(premature)
+    if premature then
+        return
+    end
+    local n = cfg.n
+    local ring, slots = shm_ring(worker_id())
+    local enc = buffer.new(n * SLOT_PER_EVENT)
+    local seq = 0
+    every_tick(cfg.interval, function()
+        enc:reset()
+        encode_events(enc, seq + 1, n)
+        seq = seq + n
+        local gen = ring.gen + 1
+        local slot = gen % 2
+        local p, len = enc:ref()
+        assert(len <= shm_slot, "floor-shm: slot too small")
+        ffi.copy(slots + slot * shm_slot, p, len)
+        ring.len[slot] = len
+        ring.gen = gen
+        attempted = attempted + n
+        accepted = accepted + n
+    end)
+end
+
+
+-- floor-shm reader: every worker decodes every poster's new generation
+local function shm_reader(premature)
+    if premature then
+        return
+    end
+    local dec = buffer.new()
+    local count = ngx.worker.count()
+    local rings, slots, seen = {}, {}, {}
+    for w = 0, count - 1 do
+        rings[w], slots[w] = shm_ring(w)
+        seen[w] = rings[w].gen
+    end
+    while not exiting() do
+        for w = 0, count - 1 do
+            local ring = rings[w]
+            local gen = ring.gen
+            if gen ~= seen[w] then
+                seen[w] = gen
+                local slot = gen % 2
+                dec:set(slots[w] + slot * shm_slot, ring.len[slot])
+                decode_events(dec)
+            end
+        end
+        ngx_sleep(0.001)
+    end
 end
 
 
@@ -342,6 +452,9 @@ function _M.init(c)
     cfg = c
     shm = ngx.shared.bench_events
     payload = PAYLOADS[cfg.payload or "100"]
+    if cfg.lib == "floor-shm" then
+        shm_map(cfg.n)
+    end
     if cfg.lib == "loom" then
         local events = require "resty.loom.events"
         bus = events.new({
@@ -374,7 +487,7 @@ function _M.init_worker()
         publish = function(data)
             return bus:publish("all", SOURCE, EVENT, data)
         end
-    elseif cfg.lib ~= "floor" then
+    elseif cfg.lib ~= "floor" and cfg.lib ~= "floor-shm" then
         local we = require "resty.worker.events"
         -- Kong 2.8's production settings
         local ok, err = we.configure({
@@ -401,6 +514,13 @@ function _M.init_worker()
     if mode == "kong" and cfg.lib == "floor" then
         if cfg.n > 0 then
             assert(timer_at(0, floor_ticker))
+        end
+    elseif mode == "kong" and cfg.lib == "floor-shm" then
+        if cfg.n > 0 then
+            assert(timer_at(0, shm_reader))
+            if cfg.posters == "all" or w == (cfg.poster or 0) then
+                assert(timer_at(0, shm_poster))
+            end
         end
     elseif mode == "kong" then
         if cfg.n > 0 and (cfg.posters == "all" or w == (cfg.poster or 0))
