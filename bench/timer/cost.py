@@ -18,6 +18,13 @@ false), base (resty.loom.timer from BASE_LOOM_LIB). Run it under
 /work/wt/run-bench on a shared machine.
 
 Writes bench/results/timer-cost.json.
+
+  python3 bench/timer/cost.py --profile jitp|jitv [--variants ...]
+
+instead runs one cell per variant with LuaJIT's sampling profiler (jit.p,
+function level, 1 ms: "Fi1") or trace log (jit.v, from before the first
+timer) on in the worker for --window seconds after --warmup; output in
+/tmp/loom-timer-profile/<variant>-<mode>.txt.
 """
 
 import json
@@ -32,6 +39,49 @@ import run as tb  # noqa: E402  (bench/timer/run.py: start(), cpu_ticks())
 
 ROOT = tb.ROOT
 benchcli = tb.benchcli
+
+
+PROFILE_DIR = "/tmp/loom-timer-profile"
+
+PROFILE = {
+    "jitp": """
+        ngx.timer.at(%(warmup)s, function()
+            local p = require "jit.p"
+            p.start("Fi1", "%(out)s")
+            ngx.timer.at(%(window)s, function() p.stop() end)
+        end)
+""",
+    "jitv": """
+        require("jit.v").on("%(out)s")
+        ngx.timer.at(%(warmup)s + %(window)s, function()
+            require("jit.v").off()
+        end)
+""",
+}
+
+
+def profile(mode, variants, timers, warmup, window):
+    os.makedirs(PROFILE_DIR, exist_ok=True)
+    template = tb.HTTP
+    for v in variants:
+        out = os.path.join(PROFILE_DIR, "%s-%s.txt" % (v, mode))
+        snippet = PROFILE[mode] % {"out": out, "warmup": warmup,
+                                   "window": window}
+        hook = "init_worker_by_lua_block {"
+        tb.HTTP = template.replace(hook, hook + snippet)
+        try:
+            ngx = tb.start(v, 1, timers, 0.1)
+            try:
+                time.sleep(warmup + window + 1)
+            finally:
+                try:
+                    ngx.stop()
+                except RuntimeError:
+                    pass
+                ngx.cleanup()
+        finally:
+            tb.HTTP = template
+        print(out, flush=True)
 
 
 def schedstat_ns(pid):
@@ -93,8 +143,13 @@ def main():
                          "loom_nostats)")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results",
                                                   "timer-cost.json"))
+    ap.add_argument("--profile", choices=sorted(PROFILE),
+                    help="profile one cell per variant instead (see above)")
     args = ap.parse_args()
     vs = [v for v in args.variants.split(",") if v]
+    if args.profile:
+        profile(args.profile, vs, args.timers, args.warmup, args.window)
+        return
     benchcli.announce(__doc__, args.pairs * len(vs)
                       * (args.window + args.warmup + 3), args.out)
     started = time.time()

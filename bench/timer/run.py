@@ -11,7 +11,8 @@ in a plain loop from one native timer: what the callbacks alone cost), ng
 (lua-resty-timer-ng, when PEER_TIMER_NG names a checkout), base
 (resty.loom.timer from BASE_LOOM_LIB, a lib/ directory of another checkout:
 an A/B baseline in the same run), floor_xpcall (the floor with each
-callback under xpcall) and loom_nostats (resty.loom.timer, stats = false).
+callback under xpcall), loom_nostats (resty.loom.timer, stats = false) and
+base_nostats (base, stats = false).
 
 Writes bench/results/timer.json. Needs wrk and a built module (make build).
 The machine may be shared: the figures are noisy; see the "note" field.
@@ -91,14 +92,15 @@ location = /get {
 def variants():
     return (["native", "loom", "floor"] + (["ng"] if PEER else [])
             + (["base"] if BASE_LIB else [])
-            + ["floor_xpcall", "loom_nostats"])
+            + ["floor_xpcall", "loom_nostats"]
+            + (["base_nostats"] if BASE_LIB else []))
 
 
 def start(variant, workers=2, n=0, iv=0.1):
     peer = ""
     if variant == "ng":
         peer = "%s/lib/?.lua;%s/lib/?/init.lua;" % (PEER, PEER)
-    elif variant == "base":
+    elif variant in ("base", "base_nostats"):
         peer = "%s/?.lua;" % BASE_LIB
     http = HTTP % {"root": ROOT, "peer": peer, "variant": variant, "n": n,
                    "iv": repr(iv)}
@@ -375,7 +377,8 @@ def table(path):
              "floor": "floor (plain loop)",
              "base": "resty.loom.timer (baseline)",
              "floor_xpcall": "floor + xpcall",
-             "loom_nostats": "resty.loom.timer, stats off"}
+             "loom_nostats": "resty.loom.timer, stats off",
+             "base_nostats": "resty.loom.timer (baseline), stats off"}
     out = ["Measured %s, %d repetitions, medians. %s." % (
         res["date"], res["setup"]["reps"],
         res["note"][:1].upper() + res["note"][1:]), ""]

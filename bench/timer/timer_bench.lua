@@ -4,8 +4,8 @@
 -- from one native timer (the least any timer library can cost),
 -- "floor_xpcall" the same loop with each callback under xpcall (the error
 -- isolation every timer library gives), "base" is resty.loom.timer from
--- another checkout (BASE_LOOM_LIB: an A/B baseline), "loom_nostats"
--- resty.loom.timer configured with stats = false.
+-- another checkout (BASE_LOOM_LIB: an A/B baseline), "loom_nostats" and
+-- "base_nostats" those two configured with stats = false.
 
 local ffi = require "ffi"
 
@@ -55,7 +55,7 @@ local function bind(variant)
     if variant == "native" then
         at, every = ngx.timer.at, ngx.timer.every
     elseif variant == "loom" or variant == "base"
-           or variant == "loom_nostats"
+           or variant == "loom_nostats" or variant == "base_nostats"
     then
         local timer = require "resty.loom.timer"
         at, every, cancel = timer.at, timer.every, timer.cancel
@@ -82,7 +82,7 @@ function _M.init(variant)
         table.unpack = table.unpack or unpack     -- luacheck: ignore 122
         local timerng = require "resty.timerng"
         tng = timerng.new({ min_threads = 16, max_threads = 32 })
-    elseif variant == "loom_nostats" then
+    elseif variant == "loom_nostats" or variant == "base_nostats" then
         require("resty.loom.timer").configure({ stats = false })
     end
     bind(variant)
@@ -132,6 +132,7 @@ local function tick(premature, st)
         maxbin = b
     end
 end
+_M.tick = tick              -- for bench/timer/loop.lua
 
 
 local function publish(premature)
