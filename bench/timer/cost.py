@@ -94,8 +94,17 @@ def count_now(ngx):
     return int(c), int(e), float(t)
 
 
-def cell(variant, timers, warmup, window):
-    ngx = tb.start(variant, 1, timers, 0.1)
+def cell(variant, timers, warmup, window, jitv=None):
+    template = tb.HTTP
+    if jitv:                # the trace log of the whole cell
+        hook = "init_worker_by_lua_block {"
+        tb.HTTP = template.replace(
+            hook, hook + PROFILE["jitv"] % {"out": jitv, "warmup": 0,
+                                            "window": 3600})
+    try:
+        ngx = tb.start(variant, 1, timers, 0.1)
+    finally:
+        tb.HTTP = template
     try:
         pid = ngx.worker_pids()[0]
         time.sleep(warmup)
@@ -145,6 +154,9 @@ def main():
                                                   "timer-cost.json"))
     ap.add_argument("--profile", choices=sorted(PROFILE),
                     help="profile one cell per variant instead (see above)")
+    ap.add_argument("--jitv", action="store_true",
+                    help="log each cell's traces (jit.v) to "
+                         "/tmp/loom-timer-profile/<variant>-<round>-jitv.txt")
     args = ap.parse_args()
     vs = [v for v in args.variants.split(",") if v]
     if args.profile:
@@ -157,7 +169,11 @@ def main():
     raw = []
     for p in range(args.pairs):
         for v in (vs if p % 2 == 0 else list(reversed(vs))):
-            c = cell(v, args.timers, args.warmup, args.window)
+            jitv = None
+            if args.jitv:
+                os.makedirs(PROFILE_DIR, exist_ok=True)
+                jitv = os.path.join(PROFILE_DIR, "%s-%d-jitv.txt" % (v, p))
+            c = cell(v, args.timers, args.warmup, args.window, jitv)
             c["round"] = p
             c["loadavg_1m"] = float(tb.loadavg()[0])
             print(json.dumps(c), flush=True)
