@@ -14,8 +14,9 @@ figure is CPU time / callbacks. Variants run in order, then reversed (A B
 B A ...), --pairs times; medians. Variants: floor (the callbacks in a plain
 loop from one native timer), floor_xpcall (the same, each under xpcall with
 a traceback handler), loom (resty.loom.timer), loom_nostats (stats =
-false), base (resty.loom.timer from BASE_LOOM_LIB). Run it under
-/work/wt/run-bench on a shared machine.
+false), base and base_nostats (the same two from BASE_LOOM_LIB, a lib/
+directory of another checkout). Run it under /work/wt/run-bench on a
+shared machine.
 
 Writes bench/results/timer-cost.json.
 
@@ -151,7 +152,9 @@ def main():
                     help="comma-separated (default floor,floor_xpcall,loom,"
                          "loom_nostats)")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results",
-                                                  "timer-cost.json"))
+                                                  "timer-cost.json"),
+                    help="results file (default "
+                         "bench/results/timer-cost.json)")
     ap.add_argument("--profile", choices=sorted(PROFILE),
                     help="profile one cell per variant instead (see above)")
     ap.add_argument("--jitv", action="store_true",
