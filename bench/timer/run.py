@@ -4,13 +4,15 @@ lua-resty-timer-ng when PEER_TIMER_NG names a checkout of it), side by side
 in one run, variants alternating, medians over the repetitions.
 
   python3 bench/timer/run.py [--reps 3] [--duration 10] [--counts 0,1000,...]
-                             [--variants native,loom,floor,ng,base]
+                             [--variants native,loom,floor,ng,base,...]
 
 Variants: native ngx.timer, resty.loom.timer, "floor" (the same callbacks
 in a plain loop from one native timer: what the callbacks alone cost), ng
-(lua-resty-timer-ng, when PEER_TIMER_NG names a checkout) and base
+(lua-resty-timer-ng, when PEER_TIMER_NG names a checkout), base
 (resty.loom.timer from BASE_LOOM_LIB, a lib/ directory of another checkout:
-an A/B baseline in the same run).
+an A/B baseline in the same run), floor_xpcall (the floor with each
+callback under xpcall), loom_nostats (resty.loom.timer, stats = false) and
+base_nostats (base, stats = false).
 
 Writes bench/results/timer.json. Needs wrk and a built module (make build).
 The machine may be shared: the figures are noisy; see the "note" field.
@@ -34,6 +36,8 @@ import benchcli  # noqa: E402
 PEER = os.environ.get("PEER_TIMER_NG")
 BASE_LIB = os.environ.get("BASE_LOOM_LIB")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+# plain loops of the recurring callbacks: only the recurring cells
+FLOORS = ("floor", "floor_xpcall")
 
 HTTP = """
 lua_shared_dict bench 1m;
@@ -72,6 +76,11 @@ location = /park {
         ngx.say(ok and "ok" or err)
     }
 }
+location = /count {
+    content_by_lua_block {
+        ngx.say(require("timer_bench").count_now())
+    }
+}
 location = /get {
     content_by_lua_block {
         ngx.say(ngx.shared.bench:get(ngx.var.arg_k) or "nil")
@@ -82,14 +91,16 @@ location = /get {
 
 def variants():
     return (["native", "loom", "floor"] + (["ng"] if PEER else [])
-            + (["base"] if BASE_LIB else []))
+            + (["base"] if BASE_LIB else [])
+            + ["floor_xpcall", "loom_nostats"]
+            + (["base_nostats"] if BASE_LIB else []))
 
 
 def start(variant, workers=2, n=0, iv=0.1):
     peer = ""
     if variant == "ng":
         peer = "%s/lib/?.lua;%s/lib/?/init.lua;" % (PEER, PEER)
-    elif variant == "base":
+    elif variant in ("base", "base_nostats"):
         peer = "%s/?.lua;" % BASE_LIB
     http = HTTP % {"root": ROOT, "peer": peer, "variant": variant, "n": n,
                    "iv": repr(iv)}
@@ -364,7 +375,10 @@ def table(path):
     names = {"native": "native ngx.timer", "loom": "resty.loom.timer",
              "ng": "lua-resty-timer-ng 0.2.7",
              "floor": "floor (plain loop)",
-             "base": "resty.loom.timer (baseline)"}
+             "base": "resty.loom.timer (baseline)",
+             "floor_xpcall": "floor + xpcall",
+             "loom_nostats": "resty.loom.timer, stats off",
+             "base_nostats": "resty.loom.timer (baseline), stats off"}
     out = ["Measured %s, %d repetitions, medians. %s." % (
         res["date"], res["setup"]["reps"],
         res["note"][:1].upper() + res["note"][1:]), ""]
@@ -373,7 +387,7 @@ def table(path):
     out.append("| | schedule µs | cancel µs | heap B/timer | RSS B/timer "
                "| heap B/timer after cancel + GC |")
     out.append("|---|---|---|---|---|---|")
-    for v in [v for v in vs if v != "floor"]:
+    for v in [v for v in vs if v not in FLOORS]:
         m = med["micro"][v]
         out.append("| %s | %s | %s | %s | %s | %s |" % (
             names[v], fmt(m["schedule_us"], 2), fmt(m["cancel_us"], 3),
@@ -385,7 +399,7 @@ def table(path):
     out.append("")
     out.append("| | all 5,000 done after (s) | idle CPU, % of a core |")
     out.append("|---|---|---|")
-    for v in [v for v in vs if v != "floor"]:
+    for v in [v for v in vs if v not in FLOORS]:
         out.append("| %s | %s | %s |" % (
             names[v], fmt(med["sleepers"][v]["seconds"], 2),
             fmt(med["idle"][v]["cpu_pct_of_core"], 2)))
@@ -485,17 +499,17 @@ def main():
         # the floor only differs from native in the recurring cells
         if "micro" not in skip:
             for v in order(rep):
-                if v == "floor":
+                if v in FLOORS:
                     continue
                 attempt("micro", micro_cell, v)
         if "sleep" not in skip:
             for v in order(rep):
-                if v == "floor":
+                if v in FLOORS:
                     continue
                 attempt("sleepers", sleepers_cell, v)
         if "idle" not in skip:
             for v in order(rep):
-                if v == "floor":
+                if v in FLOORS:
                     continue
                 attempt("idle", idle_cell, v)
         if "recurring" not in skip:

@@ -1,8 +1,11 @@
 -- Lua side of bench/timer/run.py: the same workloads on native ngx.timer,
 -- resty.loom.timer and (when PEER_TIMER_NG names a checkout) Kong's
 -- lua-resty-timer-ng; "floor" runs the recurring callbacks in a plain loop
--- from one native timer (the least any timer library can cost), "base" is
--- resty.loom.timer from another checkout (BASE_LOOM_LIB: an A/B baseline).
+-- from one native timer (the least any timer library can cost),
+-- "floor_xpcall" the same loop with each callback under xpcall (the error
+-- isolation every timer library gives), "base" is resty.loom.timer from
+-- another checkout (BASE_LOOM_LIB: an A/B baseline), "loom_nostats" and
+-- "base_nostats" those two configured with stats = false.
 
 local ffi = require "ffi"
 
@@ -51,10 +54,12 @@ local at, every, cancel
 local function bind(variant)
     if variant == "native" then
         at, every = ngx.timer.at, ngx.timer.every
-    elseif variant == "loom" or variant == "base" then
+    elseif variant == "loom" or variant == "base"
+           or variant == "loom_nostats" or variant == "base_nostats"
+    then
         local timer = require "resty.loom.timer"
         at, every, cancel = timer.at, timer.every, timer.cancel
-    elseif variant == "floor" then
+    elseif variant == "floor" or variant == "floor_xpcall" then
         at, every = ngx.timer.at, nil
     else
         at = function(delay, cb, ...)
@@ -77,6 +82,8 @@ function _M.init(variant)
         table.unpack = table.unpack or unpack     -- luacheck: ignore 122
         local timerng = require "resty.timerng"
         tng = timerng.new({ min_threads = 16, max_threads = 32 })
+    elseif variant == "loom_nostats" or variant == "base_nostats" then
+        require("resty.loom.timer").configure({ stats = false })
     end
     bind(variant)
 end
@@ -84,6 +91,12 @@ end
 
 local count = 0
 local early = 0
+
+
+-- callbacks run and early fires so far, and the clock (bench/timer/cost.py)
+function _M.count_now()
+    return count .. " " .. early .. " " .. mono()
+end
 
 -- Runs are counted by the grid point they are for, in bins of one interval
 -- of due time: bins[b] counts the runs due in [base + b * iv,
@@ -119,6 +132,7 @@ local function tick(premature, st)
         maxbin = b
     end
 end
+_M.tick = tick              -- for bench/timer/loop.lua
 
 
 local function publish(premature)
@@ -157,6 +171,25 @@ function _M.init_worker(n, iv)
         assert(ngx.timer.every(iv, function(premature)
             for i = 1, m do
                 tick(premature, sts[i])
+            end
+        end))
+        n = 0
+    elseif _M.variant == "floor_xpcall" and n > 0 then
+        -- the floor with error isolation: each callback under xpcall with
+        -- a traceback handler, as a timer library must run it
+        local m = n
+        local sts = table.new(m, 0)
+        for i = 1, m do
+            local now = mono()
+            sts[i] = { now, 0, iv, floor((now - base) / iv) }
+        end
+        local traceback = debug.traceback
+        assert(ngx.timer.every(iv, function(premature)
+            for i = 1, m do
+                local ok, err = xpcall(tick, traceback, premature, sts[i])
+                if not ok then
+                    ngx.log(ngx.ERR, "bench: ", err)
+                end
             end
         end))
         n = 0

@@ -330,7 +330,7 @@ local function on_exit()
                 " pending timers with premature = true")
     end
     if active then
-        e.sleep_until = nil
+        e.sleep_until = -huge
         sema:post(1)
         -- nginx runs the sentinel from its shutdown code, outside the event
         -- loop: the posted semaphore event would only be handled once
@@ -402,7 +402,7 @@ local function runner_wait(e, res)
     elseif res == "bound" then
         sema:wait(0.001)
     end
-    e.sleep_until = nil
+    e.sleep_until = -huge
 end
 
 

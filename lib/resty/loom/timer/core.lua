@@ -104,7 +104,7 @@ function _M.new(opts)
         err_level = opts.err_level or 2,    -- error() level of at()'s caller
         max_rt = max_rt and max_rt * 1e6 or nil,
         max_names = max_names,
-        sleep_until = nil,          -- set by the driver while it sleeps
+        sleep_until = -math.huge,   -- set by the driver while it sleeps
         last_site = nil,            -- watchdog site and name of the last run
         last_name = nil,
         wheel = wheel.new(floor(now / res_us), cap),

@@ -98,12 +98,16 @@ function _M.run_next(self, now)
     -- without statistics the site is unknown: "|" still marks this frame
     -- as the one that runs the callback
     local loom_timer_site = rec and rec.watchdog_site or "|"
+    -- the site's per-run figures (stats.record); rec itself is read again
+    -- only on the rare paths below, which keeps it out of the registers
+    -- the compiled loop holds across the call
+    local sc = rec and rec.c or nil
     local nrec = extra and self.nrec[id] or nil
-    if rec then
-        rec.running = rec.running + 1
+    if sc then
+        sc.running = sc.running + 1
     end
     if nrec then
-        nrec.running = nrec.running + 1
+        nrec.c.running = nrec.c.running + 1
     end
     self.running = self.running + 1
 
@@ -143,27 +147,30 @@ function _M.run_next(self, now)
     if prem then
         totals.premature = totals.premature + 1
     end
-    if rec then
-        rec.running = rec.running - 1
-        record(rec, rt, late, qw)
-        if prem then
-            rec.premature = rec.premature + 1
-        end
+    if sc then
+        sc.running = sc.running - 1
+        record(sc, rt, late, qw)
     end
     if nrec then
-        nrec.running = nrec.running - 1
-        record(nrec, rt, late, qw)
+        local nc = nrec.c
+        nc.running = nc.running - 1
+        record(nc, rt, late, qw)
         if prem then
             nrec.premature = nrec.premature + 1
         end
     end
+    if prem and sc then
+        rec = self.site_list[si]
+        rec.premature = rec.premature + 1
+    end
     if not ok then
         totals.errors = totals.errors + 1
-        report_error(self, id, rec, err)
+        report_error(self, id, sc and self.site_list[si], err)
     end
     local mrt = extra and self.maxrt[id] or self.max_rt
     if mrt and rt > mrt then
         totals.overruns = totals.overruns + 1
+        rec = sc and self.site_list[si]
         if rec then
             rec.overruns = rec.overruns + 1
         end
@@ -203,6 +210,7 @@ function _M.run_next(self, now)
                 end
                 local skipped = k
                 totals.skipped = totals.skipped + skipped
+                rec = sc and self.site_list[si]
                 if rec then
                     rec.skipped = rec.skipped + skipped
                 end

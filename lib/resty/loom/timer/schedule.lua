@@ -7,16 +7,21 @@ local job = require "resty.loom.timer.jobs"
 
 local floor = math.floor
 local ceil = math.ceil
+local AWAKE = -math.huge            -- sleep_until while the driver is awake
 
 local PENDING = job.PENDING
 local QUEUED = job.QUEUED
 local GEN_SPAN = job.GEN_SPAN
 
 
+-- sleep_until is a number whatever the driver does (-inf: awake), so
+-- that this check has one shape in every phase: a trace recorded while
+-- timers are created (driver not started) and run later by the lanes
+-- (driver asleep) would otherwise leave on a type guard on every call and
+-- grow side traces over the whole run path (issue 27)
 local function notify(self, at)
-    local su = self.sleep_until
-    if su and at < su then
-        self.sleep_until = nil      -- one wake-up per sleep
+    if at < self.sleep_until then
+        self.sleep_until = AWAKE    -- one wake-up per sleep
         local wake = self.wake
         if wake then
             wake(self.ctx)

@@ -1,6 +1,10 @@
 -- Per creation site / per name timer statistics: counters plus three
 -- log-bucket histograms (run time, lateness, queue wait). Recording is O(1)
--- with no allocation; histograms merge exactly across workers.
+-- with no allocation; histograms merge exactly across workers. What every
+-- run updates lives in one FFI struct per record (rec.c): a compiled run
+-- writes it at fixed offsets from one pointer, where the fields of a Lua
+-- table cost a guarded hash-slot check each (issue 27: a third less per
+-- callback for the statistics).
 
 
 local ffi = require "ffi"
@@ -24,7 +28,24 @@ local tonumber = tonumber
 local NB = 120
 local GROWTH = 1.2
 local INV_LOG_G = 1 / log(GROWTH)
-local HIST = ffi.typeof("uint32_t[?]")
+
+-- counts are doubles: exact to 2^53, where a uint32_t bucket of a site
+-- running 500,000 times a second would wrap after 2.4 hours
+pcall(ffi.cdef, [[
+typedef struct {
+    double running;
+    double runs;
+    double rt_sum;
+    double rt_min;
+    double rt_max;
+    double late_max;
+    double qw_max;
+    double rt[120];
+    double late[120];
+    double qw[120];
+} loom_timer_stat_t;
+]])
+local STAT = ffi.typeof("loom_timer_stat_t")
 
 
 local _M = { _VERSION = "0.2.0", BUCKETS = NB, GROWTH = GROWTH }
@@ -71,46 +92,36 @@ function _M.new_record(kind, key)
         stack = nil,              -- folded creation stack (sites)
         created = 0,
         pending = 0,
-        running = 0,
-        runs = 0,
         errors = 0,
         overruns = 0,
         skipped = 0,
         premature = 0,
-        rt_sum = 0,
-        rt_min = huge,            -- -1 in raw() while there is no run
-        rt_max = 0,
-        late_max = 0,
-        qw_max = 0,
         last_error = nil,
-        rt = ffi_new(HIST, NB),
-        late = ffi_new(HIST, NB),
-        qw = ffi_new(HIST, NB),
+        -- running, runs, rt_sum, rt_min (-1 in raw() while there is no
+        -- run), rt_max, late_max, qw_max, and the histograms rt, late, qw
+        c = STAT({ rt_min = huge }),
     }
 end
 
 
--- all values in microseconds; late < 0: none (premature runs). Minima and
--- maxima use min()/max() rather than branches, which keeps the compiled
--- run loop on one path
-function _M.record(rec, rt, late, qw)
-    rec.runs = rec.runs + 1
-    rec.rt_sum = rec.rt_sum + rt
-    rec.rt_max = max(rec.rt_max, rt)
-    rec.rt_min = min(rec.rt_min, rt)
-    local h = rec.rt
+-- c: a record's rec.c; all values in microseconds; late < 0: none
+-- (premature runs). Minima and maxima use min()/max() rather than
+-- branches, which keeps the compiled run loop on one path
+function _M.record(c, rt, late, qw)
+    c.runs = c.runs + 1
+    c.rt_sum = c.rt_sum + rt
+    c.rt_max = max(c.rt_max, rt)
+    c.rt_min = min(c.rt_min, rt)
     local i = bucket(rt)
-    h[i] = h[i] + 1
+    c.rt[i] = c.rt[i] + 1
     if late >= 0 then
-        rec.late_max = max(rec.late_max, late)
-        h = rec.late
+        c.late_max = max(c.late_max, late)
         i = bucket(late)
-        h[i] = h[i] + 1
+        c.late[i] = c.late[i] + 1
     end
-    rec.qw_max = max(rec.qw_max, qw)
-    h = rec.qw
+    c.qw_max = max(c.qw_max, qw)
     i = bucket(qw)
-    h[i] = h[i] + 1
+    c.qw[i] = c.qw[i] + 1
 end
 
 
@@ -178,19 +189,20 @@ function _M.raw(rec)
         end
         return o
     end
+    local c = rec.c
     return {
         kind = rec.kind, key = rec.key, stack = rec.stack,
         created = rec.created, pending = rec.pending,
-        running = rec.running, runs = rec.runs, errors = rec.errors,
+        running = c.running, runs = c.runs, errors = rec.errors,
         overruns = rec.overruns, skipped = rec.skipped,
-        premature = rec.premature, rt_sum = rec.rt_sum,
-        rt_min = rec.rt_min == huge and -1 or rec.rt_min,
-        rt_max = rec.rt_max,
-        late_max = rec.late_max, qw_max = rec.qw_max,
+        premature = rec.premature, rt_sum = c.rt_sum,
+        rt_min = c.rt_min == huge and -1 or c.rt_min,
+        rt_max = c.rt_max,
+        late_max = c.late_max, qw_max = c.qw_max,
         last_error = rec.last_error,
-        rt = strkeys(sparse_copy(rec.rt)),
-        late = strkeys(sparse_copy(rec.late)),
-        qw = strkeys(sparse_copy(rec.qw)),
+        rt = strkeys(sparse_copy(c.rt)),
+        late = strkeys(sparse_copy(c.late)),
+        qw = strkeys(sparse_copy(c.qw)),
     }
 end
 
@@ -257,8 +269,9 @@ end
 
 -- the public shape (seconds) of a live record or of a raw one
 function _M.summary(rec)
-    local sparse = type(rec.rt) == "table"
-    local rt, late, qw = rec.rt, rec.late, rec.qw
+    local c = rec.c or rec      -- a live record's per-run figures, or raw
+    local sparse = type(c.rt) == "table"
+    local rt, late, qw = c.rt, c.late, c.qw
     if sparse then
         local function numkeys(t)
             local o = {}
@@ -269,27 +282,27 @@ function _M.summary(rec)
         end
         rt, late, qw = numkeys(rt), numkeys(late), numkeys(qw)
     end
-    local n = rec.runs
+    local n = c.runs
     local run_time = { count = n }
     if n > 0 then
-        run_time.min = r6(rec.rt_min)
-        run_time.avg = r6(rec.rt_sum / n)
-        run_time.max = r6(rec.rt_max)
+        run_time.min = r6(c.rt_min)
+        run_time.avg = r6(c.rt_sum / n)
+        run_time.max = r6(c.rt_max)
         run_time.p99 = r6(quantile(rt, hist_total(rt, sparse), 0.99,
-                                   rec.rt_max, sparse))
+                                   c.rt_max, sparse))
     end
     return {
         created = rec.created,
         pending = rec.pending,
-        running = rec.running,
+        running = c.running,
         runs = n,
         errors = rec.errors,
         overruns = rec.overruns,
         skipped = rec.skipped,
         premature = rec.premature,
         run_time = run_time,
-        lateness = summary_of(late, sparse, rec.late_max),
-        queue_wait = summary_of(qw, sparse, rec.qw_max),
+        lateness = summary_of(late, sparse, c.late_max),
+        queue_wait = summary_of(qw, sparse, c.qw_max),
         last_error = rec.last_error,
         stack = rec.stack,
     }
