@@ -63,25 +63,14 @@ PROFILE = {
 
 def profile(mode, variants, timers, warmup, window):
     os.makedirs(PROFILE_DIR, exist_ok=True)
-    template = tb.HTTP
     for v in variants:
         out = os.path.join(PROFILE_DIR, "%s-%s.txt" % (v, mode))
-        snippet = PROFILE[mode] % {"out": out, "warmup": warmup,
-                                   "window": window}
-        hook = "init_worker_by_lua_block {"
-        tb.HTTP = template.replace(hook, hook + snippet)
+        ngx = tb.start(v, 1, timers, 0.1, PROFILE[mode] % {
+            "out": out, "warmup": warmup, "window": window})
         try:
-            ngx = tb.start(v, 1, timers, 0.1)
-            try:
-                time.sleep(warmup + window + 1)
-            finally:
-                try:
-                    ngx.stop()
-                except RuntimeError:
-                    pass
-                ngx.cleanup()
+            time.sleep(warmup + window + 1)
         finally:
-            tb.HTTP = template
+            tb.stop(ngx)
         print(out, flush=True)
 
 
@@ -96,16 +85,9 @@ def count_now(ngx):
 
 
 def cell(variant, timers, warmup, window, jitv=None):
-    template = tb.HTTP
-    if jitv:                # the trace log of the whole cell
-        hook = "init_worker_by_lua_block {"
-        tb.HTTP = template.replace(
-            hook, hook + PROFILE["jitv"] % {"out": jitv, "warmup": 0,
-                                            "window": 3600})
-    try:
-        ngx = tb.start(variant, 1, timers, 0.1)
-    finally:
-        tb.HTTP = template
+    # (jitv: the trace log of the whole cell)
+    ngx = tb.start(variant, 1, timers, 0.1, PROFILE["jitv"] % {
+        "out": jitv, "warmup": 0, "window": 3600} if jitv else "")
     try:
         pid = ngx.worker_pids()[0]
         time.sleep(warmup)
@@ -128,11 +110,7 @@ def cell(variant, timers, warmup, window, jitv=None):
                                       if runs else None),
         }
     finally:
-        try:
-            ngx.stop()
-        except RuntimeError:
-            pass
-        ngx.cleanup()
+        tb.stop(ngx)
 
 
 def main():

@@ -48,6 +48,7 @@ init_by_lua_block {
     require("timer_bench").init("%(variant)s")
 }
 init_worker_by_lua_block {
+    %(init_worker)s
     require("timer_bench").init_worker(%(n)d, %(iv)s)
 }
 """
@@ -96,14 +97,25 @@ def variants():
             + (["base_nostats"] if BASE_LIB else []))
 
 
-def start(variant, workers=2, n=0, iv=0.1):
+def stop(ngx):
+    """Stops nginx (already gone is fine) and removes its prefix."""
+    try:
+        ngx.stop()
+    except RuntimeError:
+        pass
+    ngx.cleanup()
+
+
+def start(variant, workers=2, n=0, iv=0.1, init_worker=""):
+    """nginx running the bench for variant, its workers ready. init_worker:
+    Lua run first in init_worker_by_lua (a profiler, say)."""
     peer = ""
     if variant == "ng":
         peer = "%s/lib/?.lua;%s/lib/?/init.lua;" % (PEER, PEER)
     elif variant in ("base", "base_nostats"):
         peer = "%s/?.lua;" % BASE_LIB
     http = HTTP % {"root": ROOT, "peer": peer, "variant": variant, "n": n,
-                   "iv": repr(iv)}
+                   "iv": repr(iv), "init_worker": init_worker}
     ngx = Nginx(workers=workers, http=http, server=SERVER,
                 main="worker_rlimit_nofile 20000;",
                 worker_connections=16384, error_log_level="warn",
@@ -116,11 +128,7 @@ def start(variant, workers=2, n=0, iv=0.1):
         time.sleep(0.1)
     else:
         log = ngx.error_log()[-2000:]
-        try:
-            ngx.stop()
-        except RuntimeError:
-            pass
-        ngx.cleanup()
+        stop(ngx)
         raise RuntimeError("%s: workers not ready in 60 s:\n%s" % (
             variant, log))
     return ngx
@@ -262,11 +270,7 @@ def recurring_cell(variant, n, duration, idle_s):
         })
         return cell
     finally:
-        try:
-            ngx.stop()
-        except RuntimeError:
-            pass
-        ngx.cleanup()
+        stop(ngx)
 
 
 def micro_cell(variant, n=100000):
@@ -277,11 +281,7 @@ def micro_cell(variant, n=100000):
         out["variant"] = variant
         return out
     finally:
-        try:
-            ngx.stop()
-        except RuntimeError:
-            pass
-        ngx.cleanup()
+        stop(ngx)
 
 
 def sleepers_cell(variant, n=5000):
@@ -298,11 +298,7 @@ def sleepers_cell(variant, n=5000):
         return {"variant": variant, "seconds": None,
                 "done": get(ngx, "sl_done")}
     finally:
-        try:
-            ngx.stop()
-        except RuntimeError:
-            pass
-        ngx.cleanup()
+        stop(ngx)
 
 
 def idle_cell(variant, n=100000, window=10):
@@ -319,11 +315,7 @@ def idle_cell(variant, n=100000, window=10):
                 "cpu_pct_of_core": (c1 - c0) / CLK_TCK / (t1 - t0) * 100,
                 "window_s": window}
     finally:
-        try:
-            ngx.stop()
-        except RuntimeError:
-            pass
-        ngx.cleanup()
+        stop(ngx)
 
 
 def median(vals):

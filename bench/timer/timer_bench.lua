@@ -159,39 +159,37 @@ function _M.init_worker(n, iv)
     end
     base = mono()
     tick_iv = iv
-    if _M.variant == "floor" and n > 0 then
+    if (_M.variant == "floor" or _M.variant == "floor_xpcall") and n > 0 then
         -- the same callbacks, created the same way, called in a plain loop
-        -- every interval (yielding to nothing: the floor of the CPU cost)
+        -- every interval (yielding to nothing: the floor of the CPU cost);
+        -- floor_xpcall runs each under xpcall with a traceback handler,
+        -- with the error isolation a timer library must give
         local m = n
         local sts = table.new(m, 0)
         for i = 1, m do
             local now = mono()
             sts[i] = { now, 0, iv, floor((now - base) / iv) }
         end
-        assert(ngx.timer.every(iv, function(premature)
-            for i = 1, m do
-                tick(premature, sts[i])
-            end
-        end))
-        n = 0
-    elseif _M.variant == "floor_xpcall" and n > 0 then
-        -- the floor with error isolation: each callback under xpcall with
-        -- a traceback handler, as a timer library must run it
-        local m = n
-        local sts = table.new(m, 0)
-        for i = 1, m do
-            local now = mono()
-            sts[i] = { now, 0, iv, floor((now - base) / iv) }
-        end
-        local traceback = debug.traceback
-        assert(ngx.timer.every(iv, function(premature)
-            for i = 1, m do
-                local ok, err = xpcall(tick, traceback, premature, sts[i])
-                if not ok then
-                    ngx.log(ngx.ERR, "bench: ", err)
+        local run_all
+        if _M.variant == "floor" then
+            run_all = function(premature)
+                for i = 1, m do
+                    tick(premature, sts[i])
                 end
             end
-        end))
+        else
+            local traceback = debug.traceback
+            run_all = function(premature)
+                for i = 1, m do
+                    local ok, err = xpcall(tick, traceback, premature,
+                                           sts[i])
+                    if not ok then
+                        ngx.log(ngx.ERR, "bench: ", err)
+                    end
+                end
+            end
+        end
+        assert(ngx.timer.every(iv, run_all))
         n = 0
     end
     for _ = 1, n do
