@@ -137,7 +137,7 @@ def lua_table(d):
         + "}"
 
 
-def node_conf(opts, worker_extra=""):
+def node_conf(opts, worker_first="", worker_extra=""):
     return {
         "http": """
     lua_shared_dict cluster 32m;
@@ -145,6 +145,7 @@ def node_conf(opts, worker_extra=""):
         require("cluster_helper").init(%s)
     }
     init_worker_by_lua_block {
+        %s
         require("cluster_helper").init_worker()
         %s
     }
@@ -155,7 +156,7 @@ def node_conf(opts, worker_extra=""):
             content_by_lua_block { require("resty.loom.events").get():serve() }
         }
     }
-""" % (lua_table(opts), worker_extra),
+""" % (lua_table(opts), worker_first, worker_extra),
         "server": """
     location /cl/ { content_by_lua_block { require("cluster_helper").handle() } }
 """,
@@ -163,14 +164,15 @@ def node_conf(opts, worker_extra=""):
 
 
 def start_node(nginx, redis_opts, node_id, workers=2, prefix=None,
-               port=None, timer=None, env=None, **extra):
+               port=None, timer=None, env=None, init_worker="", **extra):
+    """init_worker: Lua run in init_worker_by_lua before anything else."""
     opts = {"redis": redis_opts, "node_id": node_id, "lease_ttl": 1,
             "block": 0.5, "ack_timeout": 2, "claim_idle": 5,
             "backoff_max": 1}
     opts.update(extra)
     n = nginx(workers=workers, start=False, prefix=prefix, port=port,
               env=env,
-              **node_conf(opts, timer and
+              **node_conf(opts, init_worker, timer and
                           'require("cluster_helper").start_timer(%r, %r, %r)'
                           % timer or ""))
     os.makedirs(os.path.join(n.prefix, "sock"), mode=0o700, exist_ok=True)

@@ -28,6 +28,9 @@ local LOG_TAG = "[loom.cluster] "
 -- whose own sender has tried since
 local DOWN_KEY = "down"
 local EXIT_FLUSH = 3              -- seconds the sender flushes at exit
+-- seconds a new node's events wait for its reader to make the node's
+-- group, at most (see sender())
+local JOIN_WAIT = 5
 
 
 local _M = { _VERSION = "0.2.0" }
@@ -86,6 +89,8 @@ local function sender(premature, self)
     local red, r, fails = nil, nil, 0
     local gen       -- self.redis.gen when red was made
     local exit_by
+    local joined_key = "joined:" .. self.stream     -- set by the reader
+    local join_by
     while true do
         if worker_exiting() then
             ngx_update_time()
@@ -111,7 +116,17 @@ local function sender(premature, self)
                 gen = self.redis.gen
             end
             local ok = red
-            if red then
+            local waiting = red and not self.dict:get(joined_key)
+            if waiting then
+                join_by = join_by or ngx_now() + JOIN_WAIT
+                waiting = ngx_now() < join_by
+            end
+            if waiting then
+                -- the node's group starts at the stream's end when its
+                -- reader makes it: an event sent before would never reach
+                -- this node's own workers, so the events wait queued
+                ngx_sleep(0.01)
+            elseif red then
                 ok, err = send_batch(self, r)
                 if not ok then
                     red:close()
