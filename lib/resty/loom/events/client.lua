@@ -209,35 +209,25 @@ local function local_writer(self, link)
             self.wsema:wait(1)
             self.writer_idle = false
         end
-        if #self.unsent > 0 and self.has_ring and self.unsent_plain == 0 then
-            -- runs in our ring: the broker gets their SHM frames
-            local first, n = self.unsent_q:peek(), self.unsent_q:len()
-            local bytes = #self.unsent
-            local batch = self.spare
-            while #self.unsent > 0 do
-                batch:put((take(self)))
-            end
-            if self.own.n > 0 then
-                release_own(self, first, self.seq, true)
-            end
-            local ok, err = broker.take_local(self, link.conn, batch)
-            batch:reset()
-            if not ok then
-                log(ERR, "failed to hand events to the broker: ", err)
-            end
-            self.pending = self.pending - n
-            self.pending_bytes = self.pending_bytes - bytes
-            wake_publishers(self, n)
-        elseif #self.unsent > 0 then
+        if #self.unsent > 0 then
             local uq = self.unsent_q
             local first, n = uq:peek(), uq:len()
             local bytes = #self.unsent
-            uq:clear()
-            self.unsent_plain = 0
-            -- publishes go on into the spare buffer while the broker takes
-            -- this one (it may wait for a slow worker)
-            local batch = self.unsent
-            self.unsent, self.spare = self.spare, batch
+            local batch
+            if self.has_ring and self.unsent_plain == 0 then
+                -- runs in our ring: the broker gets their SHM frames
+                batch = self.spare
+                while #self.unsent > 0 do
+                    batch:put((take(self)))
+                end
+            else
+                uq:clear()
+                self.unsent_plain = 0
+                -- publishes go on into the spare buffer while the broker
+                -- takes this one (it may wait for a slow worker)
+                batch = self.unsent
+                self.unsent, self.spare = self.spare, batch
+            end
             if self.own.n > 0 then
                 release_own(self, first, self.seq, true)
             end
