@@ -81,6 +81,7 @@ build = {
          ["resty.loom.events.own"] = "lib/resty/loom/events/own.lua",
          ["resty.loom.events.receive"] = "lib/resty/loom/events/receive.lua",
          ["resty.loom.events.ring"] = "lib/resty/loom/events/ring.lua",
+         ["resty.loom.events.shm"] = "lib/resty/loom/events/shm.lua",
          ["resty.loom.file"] = "lib/resty/loom/file.lua",
          ["resty.loom.flamegraph"] = "lib/resty/loom/flamegraph.lua",
          ["resty.loom.histogram"] = "lib/resty/loom/histogram.lua",

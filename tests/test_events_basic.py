@@ -343,6 +343,10 @@ VALIDATION = """
             { heartbeat = 1 },
             { socket = "/tmp/x.sock", heartbeat = 1, slow_timeout = 3 },
             { socket = "/tmp/x.sock", broker = 1024 },
+            { socket = "/tmp/x.sock", ring_bytes = 4096 },
+            { socket = "/tmp/x.sock", ring_bytes = 1048577 },
+            { socket = "/tmp/x.sock", ring_bytes = 0/0 },
+            { socket = "/tmp/x.sock", ring_bytes = "4m" },
             { socket = ngx.config.prefix() .. "sock/bus.sock",
               slow_timeout = false, max_backlog = false },
         }
@@ -408,7 +412,8 @@ def test_option_validation_and_unsubscribe(nginx):
               "opts.socket is required",
               "opts.slow_timeout must be less than 3 * opts.heartbeat",
               "opts.broker must be a whole number from 0 to 1023",
-              "accepted"]
+              ] + ["opts.ring_bytes must be a multiple of 4096 from 262144 "
+                   "to 1073741824, or false"] * 4 + ["accepted"]
     assert len(errs) == len(expect)
     for got, want in zip(errs, expect):
         assert want in got, (got, want)

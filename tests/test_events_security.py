@@ -13,7 +13,8 @@ RAW = ec.SERVER + """
 """
 
 KINDS = ["garbage", "version", "not_hello", "hello_garbage", "lying_pid",
-         "bad_worker", "generation", "oversize", "bad_type", "bad_lengths"]
+         "bad_worker", "generation", "oversize", "bad_type", "bad_lengths",
+         "shm_nowhere", "shm_other"]
 
 
 def test_socket_mode_and_directory(nginx):
@@ -109,8 +110,9 @@ def test_bad_frames_closed_and_counted(nginx):
     assert rejected.get("hello pid differs from peer") == 1
     assert rejected.get("bad worker id") == 1
     assert rejected.get("other generation") == 1
-    # oversize, bad type, bad lengths (which once crashed the broker)
-    assert rejected.get("protocol error") == 3
+    # oversize, bad type, bad lengths (which once crashed the broker),
+    # SHM frames for a run that is not in the sender's ring
+    assert rejected.get("protocol error") == 5
     # everyone else is still served, nothing lost
     r = n.get("/ev/pub?target=all&n=50").json()
     assert r["ok"] == 50

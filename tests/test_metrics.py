@@ -103,6 +103,8 @@ def test_metrics_pass_promtool(gw):
             ("loom_offload_queue_wait_seconds", "histogram"),
             ("loom_events_dropped_total", "counter"),
             ("loom_events_gaps_total", "counter"),
+            ("loom_events_ring_events_total", "counter"),
+            ("loom_events_ring_held_bytes", "gauge"),
             ("loom_timers_dropped_total", "counter"),
             ("loom_offload_rejected_total", "counter"),
             ("loom_offload_late_total", "counter"),

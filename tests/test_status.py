@@ -141,6 +141,9 @@ def test_every_worker_in_one_document(nginx):
         assert "watchdog" not in w and "publish" not in w
         check_hist(w["events"]["delivery_seconds"])
     assert doc["totals"]["events"]["delivered_total"] == 400
+    # they went through the publisher's ring
+    assert doc["totals"]["events"]["ring_events_total"] >= 100
+    assert doc["totals"]["events"]["ring_overwritten_total"] == 0
     assert sorted(doc["totals"]) == ["events"]
     # the broker (worker 0) forwarded the 100 events
     assert doc["workers"][0]["events"]["broker"]["forwarded_total"] >= 100

@@ -68,6 +68,18 @@ local KINDS = {
         frame.put_trailer(out, 2, 0)
         return hello() .. out:get()
     end,
+    -- an SHM frame for a run that is not in the ring, and one for a run
+    -- in another worker's ring
+    shm_nowhere = function()
+        local out = buffer.new()
+        frame.put_shm(out, 2, ngx.worker.id(), 5, 8 * 1000, 640)
+        return hello() .. out:get()
+    end,
+    shm_other = function()
+        local out = buffer.new()
+        frame.put_shm(out, 2, 1 - ngx.worker.id(), 1, 0, 64)
+        return hello() .. out:get()
+    end,
     -- what a client does: the upgrade, then nothing (counted, harmless)
     probe = function() return "" end,
 }

@@ -10,6 +10,7 @@ local semaphore = require "ngx.semaphore"
 local frame = require "resty.loom.events.frame"
 local fifo = require "resty.loom.events.fifo"
 local ring = require "resty.loom.events.ring"
+local shm = require "resty.loom.events.shm"
 local broker = require "resty.loom.events.broker"
 local dispatch = require "resty.loom.events.dispatch"
 local own = require "resty.loom.events.own"
@@ -59,11 +60,15 @@ local exit_watch = exit.exit_watch
 local EVENT_SIZE = frame.EVENT_SIZE
 local ALL = frame.ALL
 local OTHERS = frame.OTHERS
+local WRITE_MAX = frame.WRITE_MAX
 local UNIQUE = frame.UNIQUE
 local AGENT = frame.AGENT
 local LOCAL = -100                  -- "current": never leaves the worker
 
 local MAX_PAYLOAD_LIMIT = 64 * 1024 * 1024
+-- bounds of a publisher's ring (see shm.lua): a run is at most WRITE_MAX
+local RING_MIN = 256 * 1024
+local RING_MAX = 1024 * 1024 * 1024
 -- default bound of the events waiting for one subscriber, in its inbox and
 -- again at the broker: what a stalled handler leaves stale before drops
 local BACKLOG = 10000
@@ -101,6 +106,7 @@ local DEFAULTS = {
     heartbeat = 1,
     slow_timeout = false,       -- 2 * heartbeat
     exit_timeout = 3,
+    ring_bytes = 4 * 1024 * 1024,
 }
 
 
@@ -137,6 +143,11 @@ local RULES = {
     heartbeat = seconds(0.01),
     slow_timeout = options.or_value(seconds(0.001), false, "false"),
     exit_timeout = seconds(0.001),
+    ring_bytes = options.or_value(options.test(function(v)
+        return type(v) == "number" and v >= RING_MIN and v <= RING_MAX
+               and v % 4096 == 0
+    end, "a multiple of 4096 from " .. RING_MIN .. " to " .. RING_MAX),
+        false, "false"),
 }
 
 local WEAK_VALUES = { __mode = "v" }
@@ -218,15 +229,26 @@ function _M.new(opts)
     local o = check_opts(opts)
 
     local phase = get_phase()
+    local rings
     if phase == "init" then
         local p = o.socket
         if C.ngx_loom_ffi_prepare_socket(p, #p, errmsg) ~= 0 then
             error("opts.socket: " .. ffi.string(errmsg[0]), 2)
         end
+        if o.ring_bytes then
+            -- before the fork: every worker shares them
+            local err
+            rings, err = shm.new(ngx.worker.count(), o.ring_bytes)
+            if not rings then
+                ngx.log(ngx.WARN, "[loom.events] no rings, events go on "
+                        .. "the socket: ", err)
+            end
+        end
     end
 
     local self = {
         opts = o,
+        rings = rings,              -- the publishers' rings, or nil
         ready = false,
         connected = false,
         initialized = false,
@@ -249,6 +271,12 @@ function _M.new(opts)
         unsent_q = fifo.new(),      -- (seq, bytes) per unsent event
         unacked = buf_new(65536),
         unacked_q = fifo.new(),     -- (seq, bytes) per sent event
+        -- events in unsent that cannot travel in our ring (see shm.lua):
+        -- while any, nothing does
+        unsent_plain = 0,
+        has_ring = false,
+        ring_out = buf_new(4096),   -- SHM frames for runs in our ring
+        ring_buf = buf_new(65536),  -- a run copied from a ring
         pending = 0,                -- events unsent + unacked
         pending_bytes = 0,
         wsema = semaphore.new(),    -- data to send
@@ -310,6 +338,9 @@ function _M.new(opts)
             feedback = 0,           -- handlers publishing what they handle
             reconnects = 0,
             rejected = 0,
+            ring_events = 0,        -- published through our ring
+            ring_full = 0,          -- runs sent on the socket: ring full
+            overwritten = 0,        -- lost: written over in a ring
         },
         latency = histogram.new(),
         last_warn = {},
@@ -343,6 +374,7 @@ function _M.init_worker(self)
         return nil, "failed to init: not a worker process"
     end
     self.worker = wid
+    self.has_ring = self.rings ~= nil and self.rings:has(wid)
     self.pid = ngx.worker.pid()
     self.incarnation = incarnation()
     self.worker_count = ngx.worker.count()
@@ -645,6 +677,9 @@ function _M.publish(self, target, source, event, data)
         self.own:push(seq, source, event, frame.copy_data(data), now, true)
     end
     self.unsent_q:push(seq, bytes)
+    if (kind ~= ALL and kind ~= OTHERS) or bytes > WRITE_MAX then
+        self.unsent_plain = self.unsent_plain + 1
+    end
     self.pending = self.pending + 1
     self.pending_bytes = self.pending_bytes + bytes
     if self.writer_idle then
@@ -779,6 +814,13 @@ function _M.stats(self)
             pending_bytes = self.pending_bytes,
             inbox = inbox_len(self),
         },
+        -- (false: no rings, see opts.ring_bytes)
+        ring = self.rings and {
+            events = s.ring_events,
+            full = s.ring_full,
+            held = self.has_ring and self.rings:held(self.worker) or 0,
+            overwritten = s.overwritten,
+        } or false,
         latency = self.latency:summary(),
         broker = broker.stats(self),
     }

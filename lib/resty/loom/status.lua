@@ -153,6 +153,13 @@ local function map_events(bus)
         queue_bytes = q.pending_bytes,
         inbox_events = q.inbox,
     }
+    local ring = s.ring
+    if ring then
+        out.ring_events_total = ring.events
+        out.ring_full_total = ring.full
+        out.ring_overwritten_total = ring.overwritten
+        out.ring_held_bytes = ring.held
+    end
     if bus.latency then
         out.delivery_seconds = from_lh(bus.latency)
     end
@@ -468,6 +475,7 @@ local function is_counter_like(k)
            or str_find(k, "^buffered_") ~= nil
            or str_find(k, "^in_flight") ~= nil
            or k == "inbox_events" or k == "peak_queued"
+           or k == "ring_held_bytes"
 end
 
 

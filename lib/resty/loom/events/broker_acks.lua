@@ -29,11 +29,14 @@ local function too_slow(q, now, slow)
 end
 
 
-local function watermark(b, slow)
+-- (strict: every queue counts, as a ring's runs must stay while any
+-- queue holds their frame)
+local function watermark(b, slow, strict)
     local low = b.next_bidx
     local now = ngx_now()
     for _, q in pairs(b.queues) do
-        if q.conn and not too_slow(q, now, slow) then
+        if strict and not q.gone
+           or not strict and q.conn and not too_slow(q, now, slow) then
             local _, _, _, sent_bidx = q.sent:first()
             -- the oldest of: unacknowledged, being written, queued (an
             -- enqueue that waited may put an earlier event behind a send)
@@ -55,7 +58,31 @@ local function watermark(b, slow)
 end
 
 
+-- the runs no queue holds any more leave their publishers' rings
+local function release_rings(b)
+    local low
+    for wid, rings in pairs(b.rings) do
+        if rings:len() > 0 then
+            low = low or watermark(b, 0, true)
+            local stop
+            while true do
+                local bidx, e = rings:peek()
+                if not bidx or bidx >= low then
+                    break
+                end
+                rings:pop()
+                stop = e
+            end
+            if stop then
+                b.shm:release(wid, stop)
+            end
+        end
+    end
+end
+
+
 local function send_acks(b)
+    release_rings(b)
     local low = watermark(b, b.slow_timeout)
     for _, q in pairs(b.queues) do
         local c = q.conn

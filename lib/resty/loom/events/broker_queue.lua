@@ -38,6 +38,10 @@ local function state(bus)
     end
     b = {
         queues = {},         -- worker id -> queue
+        -- the publishers' rings (see shm.lua), and per publisher worker
+        -- id the (last bidx, end) of each run forwarded
+        shm = bus.rings,
+        rings = {},
         remote = 0,          -- connections over the socket
         next_bidx = 1,       -- broker-wide index of forwarded events
         unique = {},         -- key -> expiry
@@ -58,6 +62,11 @@ local function state(bus)
         slow_timeout = bus.opts.slow_timeout,
     }
     bus.broker_state = b
+    if b.shm then
+        -- the runs the queues of a broker before us held are free: those
+        -- queues are gone
+        b.shm:forget_all()
+    end
     return b
 end
 

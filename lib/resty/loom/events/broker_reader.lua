@@ -18,6 +18,7 @@ local T_PING = frame.PING
 local T_PONG = frame.PONG
 local T_BYE = frame.BYE
 local T_URGENT = frame.URGENT
+local T_SHM = frame.SHM
 
 local READ_SIZE = frame.READ_SIZE
 local YIELD_BYTES = frame.YIELD_BYTES
@@ -31,6 +32,7 @@ local send_acks = acks.send_acks
 local on_received = acks.on_received
 local forward = route.forward
 local forward_run = route.forward_run
+local forward_shm = route.forward_shm
 local run_length = route.run_length
 local forward_urgent = route.forward_urgent
 
@@ -88,6 +90,17 @@ local function consume(bus, b, c, rbuf)
             if not ok then
                 return nil, why
             end
+
+        elseif typ == T_SHM then
+            local sh = frame.check_shm(pp, h.len)
+            if not sh or sh.publisher ~= c.wid or sh.events == 0
+               or c.partial
+               or not (bus.rings
+                       and bus.rings:check(c.wid, sh.pos, sh.len,
+                                           sh.events)) then
+                return nil, "bad SHM frame"
+            end
+            forward_shm(bus, b, c, frame_seq(h), rbuf:ref(), size, sh)
 
         elseif typ == T_URGENT then
             local ok, why = forward_urgent(bus, b, c, pp, h.len)

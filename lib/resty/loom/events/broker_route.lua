@@ -6,6 +6,8 @@
 local ffi = require "ffi"
 local frame = require "resty.loom.events.frame"
 local bqueue = require "resty.loom.events.broker_queue"
+local fifo = require "resty.loom.events.fifo"
+local run_end = require("resty.loom.events.shm").run_end
 
 local ffi_string = ffi.string
 local peek_at = frame.peek_at
@@ -73,22 +75,32 @@ local function seen_unique(b, key, window)
 end
 
 
--- Appends one event (payload p, len) to q, waiting (up to slow_timeout)
--- for room when q is full and its worker is connected. Returns false when
--- it had to drop it (counted, logged at most once per interval).
-local function enqueue(bus, b, q, from, seq, bidx, p, len)
+local function fits(q, k, len, max_n, max_bytes)
+    local left = unwritten(q)
+    return (left == 0 or left + k <= max_n)
+           and #q.buf - q.sent_bytes + len <= max_bytes
+end
+
+
+-- Whether q takes k more events (len bytes) from worker `from`, waiting
+-- (up to slow_timeout) for room when q is full and its worker is
+-- connected. When it does not, the k events are dropped: counted, logged
+-- at most once per interval (with the event at p, len when given).
+local function room(bus, b, q, from, k, len, p, plen)
     if q.gone then
         -- (nobody will read it: its worker is exiting, and no successor
         -- comes in this generation)
-        drop(b, q, "worker gone", 1, from, p, len)
+        drop(b, q, "worker gone", k, from, p, plen)
         return false
     end
     local opts = bus.opts
     local max_n, max_bytes = opts.max_backlog, opts.max_queue_bytes
-    local full = unwritten(q) >= max_n
+    -- (a run larger than the bound goes into an empty queue)
+    local left = unwritten(q)
+    local full = left > 0 and left + k > max_n
     local mine = q.by[from] or 0
     local others = q.publishers - (mine > 0 and 1 or 0)
-    if full and others > 0 and (mine + 1) * (others + 1) <= max_n then
+    if full and others > 0 and (mine + k) * (others + 1) <= max_n then
         -- Fair shares: a publisher within its share of what is queued
         -- (max_backlog over the publishers with events in it) does not
         -- wait behind others that flood the queue; only those beyond
@@ -101,32 +113,47 @@ local function enqueue(bus, b, q, from, seq, bidx, p, len)
     if full and q.conn and not q.overflowing then
         b.stats.slow_waits = b.stats.slow_waits + 1
         local deadline = ngx_now() + opts.slow_timeout
-        while q.conn and (unwritten(q) >= max_n
-                          or #q.buf - q.sent_bytes + len > max_bytes)
+        while q.conn and not fits(q, k, len, max_n, max_bytes)
               and ngx_now() < deadline do
             q.space_sema:wait(0.1)
         end
     end
-    if full and (unwritten(q) >= max_n
-                 or #q.buf - q.sent_bytes + len > max_bytes) then
+    if full and not fits(q, k, len, max_n, max_bytes) then
         -- no more waiting for this worker until its writer catches up
         q.overflowing = true
         drop(b, q, q.conn and "subscriber too slow"
-                   or "worker down, queue full", 1, from, p, len)
+                   or "worker down, queue full", k, from, p, plen)
         return false
     end
-    frame.put_chunked(q.buf, T_EVENT, seq, p, len)
-    q.n = q.n + 1
+    return true
+end
+
+
+-- k events from worker `from` are in q (bidx the first)
+local function queued(q, from, k, bidx)
+    q.n = q.n + k
+    local mine = q.by[from] or 0
     if mine == 0 then
         q.publishers = q.publishers + 1
     end
-    q.by[from] = mine + 1
+    q.by[from] = mine + k
     -- the oldest unwritten event: another publisher's earlier event may be
     -- enqueued after a later one when an enqueue waited
     if not q.first_bidx or bidx < q.first_bidx then
         q.first_bidx = bidx
     end
     wake_writer(q)
+end
+
+
+-- Appends one event (payload p, len) to q when it has room (see room()).
+-- Returns false when it had to drop it.
+local function enqueue(bus, b, q, from, seq, bidx, p, len)
+    if not room(bus, b, q, from, 1, len, p, len) then
+        return false
+    end
+    frame.put_chunked(q.buf, T_EVENT, seq, p, len)
+    queued(q, from, 1, bidx)
     return true
 end
 
@@ -223,16 +250,7 @@ local function forward_run(bus, b, c, p, k, bytes)
         if wid ~= from then
             local q = queue(b, wid)
             q.buf:putcdata(p, bytes)
-            q.n = q.n + k
-            local mine = q.by[from] or 0
-            if mine == 0 then
-                q.publishers = q.publishers + 1
-            end
-            q.by[from] = mine + k
-            if not q.first_bidx or bidx < q.first_bidx then
-                q.first_bidx = bidx
-            end
-            wake_writer(q)
+            queued(q, from, k, bidx)
         end
     end
     local ackq = c.ackq
@@ -310,7 +328,44 @@ local function forward(bus, b, c, seq, p, len)
 end
 
 
+-- An SHM frame (at p, size bytes; s its payload) from c's worker: the
+-- run of s.events events to "all" or "others" in its ring goes to every
+-- other worker's queue as that one frame, counted as the events it
+-- stands for. The ring keeps the run until no queue holds the frame
+-- (see broker_acks: release_rings).
+local function forward_shm(bus, b, c, seq, p, size, s)
+    local k = s.events
+    local from = c.wid
+    local bidx = b.next_bidx
+    b.next_bidx = bidx + k
+    b.stats.forwarded = b.stats.forwarded + k
+    for wid = bus.opts.privileged_agent and AGENT or 0,
+              bus.worker_count - 1 do
+        if wid ~= from then
+            local q = queue(b, wid)
+            if room(bus, b, q, from, k, size) then
+                q.buf:putcdata(p, size)
+                queued(q, from, k, bidx)
+            end
+        end
+    end
+    local last = bidx + k - 1
+    local ackq = c.ackq
+    if ackq then
+        ackq:push(last, seq)
+    end
+    local rings = b.rings[from]
+    if not rings then
+        rings = fifo.new()
+        b.rings[from] = rings
+    end
+    rings:push(last, run_end(s.pos, s.len))
+    return true
+end
+
+
 _M.forward = forward
+_M.forward_shm = forward_shm
 _M.run_length = run_length
 _M.forward_run = forward_run
 _M.forward_urgent = forward_urgent

@@ -45,9 +45,11 @@ local UNREACHABLE_WARN = 1     -- seconds without the broker before a warning
 local T_ACK = frame.ACK
 local T_PING = frame.PING
 local T_BYE = frame.BYE
+local T_SHM = frame.SHM
 local WRITE_MAX = frame.WRITE_MAX
 local ACK_EVERY = receive.ACK_EVERY
 local ACK_DELAY = receive.ACK_DELAY
+local MORE = receive.MORE
 
 
 local _M = { _VERSION = "0.2.0" }
@@ -68,6 +70,57 @@ local function send(sock, link, data)
         link.error = "failed to send: " .. err
     end
     return ok
+end
+
+
+-- Takes whole events from the front of unsent, up to WRITE_MAX bytes:
+-- their frames or, when they can travel in our ring, one SHM frame for
+-- them (see shm.lua). aq (the socket writer's unacked queue) gets
+-- (seq, bytes) per event, bytes being what each keeps in unacked.
+-- Returns the frames, the first and the last seq, and the bytes taken.
+local function take(self, aq)
+    local uq = self.unsent_q
+    local via_ring = self.has_ring and self.unsent_plain == 0
+    if via_ring and not self.rings:room(self.worker, WRITE_MAX) then
+        -- (the broker still needs the runs there: a subscriber is behind)
+        via_ring = false
+        self.counters.ring_full = self.counters.ring_full + 1
+    end
+    local bytes, n = 0, 0
+    -- (a run counts as its events in the bounds of the broker's queues)
+    local max_run = self.opts.max_backlog
+    local first, last = uq:peek(), 0
+    while true do
+        local s, b = uq:peek()
+        if not s or (bytes > 0 and bytes + b > WRITE_MAX)
+           or (via_ring and n == max_run) then
+            break
+        end
+        uq:pop()
+        if aq then
+            if not via_ring then
+                aq:push(s, b)
+            elseif n > 0 then
+                aq:push(last, 0)
+            end
+        end
+        bytes, n, last = bytes + b, n + 1, s
+    end
+    if uq:len() == 0 then
+        self.unsent_plain = 0
+    end
+    if not via_ring then
+        return self.unsent:get(bytes), first, last, bytes
+    end
+    local pos = self.rings:put(self.worker, self.unsent:ref(), bytes, n)
+    self.unsent:skip(bytes)
+    self.counters.ring_events = self.counters.ring_events + n
+    local out = self.ring_out
+    local size = frame.put_shm(out, last, self.worker, n, pos, bytes)
+    if aq then
+        aq:push(last, size)
+    end
+    return out:get(), first, last, bytes
 end
 
 
@@ -120,25 +173,14 @@ local function writer(self, sock, link)
         if #self.unsent > 0 then
             -- whole events, up to WRITE_MAX bytes per write; they stay in
             -- unacked until the broker acknowledges them
-            local uq, aq = self.unsent_q, self.unacked_q
-            local take = 0
-            local first, last = uq:peek(), 0
-            while true do
-                local s, b = uq:peek()
-                if not s or (take > 0 and take + b > WRITE_MAX) then
-                    break
-                end
-                uq:pop()
-                aq:push(s, b)
-                take = take + b
-                last = s
-            end
-            local data = self.unsent:get(take)
+            local data, first, last, bytes = take(self, self.unacked_q)
+            -- (a run in our ring leaves the bound of what is pending)
+            self.pending_bytes = self.pending_bytes - (bytes - #data)
             self.unacked:put(data)
             if self.own.n > 0 then
                 -- (a call with a loop in it would keep this loop from
                 -- being compiled, so only when there is something)
-                release_own(self, first, last, uq:len() == 0)
+                release_own(self, first, last, self.unsent_q:len() == 0)
             end
             if not send(sock, link, data) then
                 return nil, link.error
@@ -171,11 +213,21 @@ local function local_writer(self, link)
             local uq = self.unsent_q
             local first, n = uq:peek(), uq:len()
             local bytes = #self.unsent
-            uq:clear()
-            -- publishes go on into the spare buffer while the broker takes
-            -- this one (it may wait for a slow worker)
-            local batch = self.unsent
-            self.unsent, self.spare = self.spare, batch
+            local batch
+            if self.has_ring and self.unsent_plain == 0 then
+                -- runs in our ring: the broker gets their SHM frames
+                batch = self.spare
+                while #self.unsent > 0 do
+                    batch:put((take(self)))
+                end
+            else
+                uq:clear()
+                self.unsent_plain = 0
+                -- publishes go on into the spare buffer while the broker
+                -- takes this one (it may wait for a slow worker)
+                batch = self.unsent
+                self.unsent, self.spare = self.spare, batch
+            end
             if self.own.n > 0 then
                 release_own(self, first, self.seq, true)
             end
@@ -198,11 +250,13 @@ local function run_local(self)
     local link = { closed = false }
     local st = { got = 0 }
     link.conn = broker.attach_local(self, function(batch)
-        wait_inbox_room(self, link)
-        local need, err = consume(self, batch, st)
-        if not need then
-            return nil, err
-        end
+        repeat
+            wait_inbox_room(self, link)
+            local need, err = consume(self, batch, st)
+            if not need then
+                return nil, err
+            end
+        until need ~= MORE
         return true
     end, function(p, len)
         local ok, err = receive_urgent(self, p, len)
@@ -224,20 +278,65 @@ local function run_local(self)
 end
 
 
--- after a reconnect, whatever the broker had not acknowledged goes again,
--- ahead of what was never sent
+-- The frames of our run in the ring that the SHM frame at pp (len bytes)
+-- stands for, appended to out, and (seq, bytes) per event to q. Unacked
+-- runs are never written over: a failure is a bug.
+local function expand_run(self, pp, len, out, q)
+    local s = frame.check_shm(pp, len)
+    local run = self.ring_buf
+    if not (s and self.rings:get(self.worker, s.pos, s.len, run)) then
+        error("a run of ours not acknowledged is gone from our ring")
+    end
+    local p, n = run:ref()
+    local off = 0
+    while off < n do
+        local h, _, size = frame.at(p + off)
+        q:push(frame.seq(h), size)
+        off = off + size
+    end
+    out:putcdata(p, n)
+    return n
+end
+
+
+-- After a reconnect, whatever the broker had not acknowledged goes again,
+-- ahead of what was never sent: our runs in the ring as their events (a
+-- new broker knows nothing of the ring; drop_oldest drops events), the
+-- rest as it was sent.
 local function requeue_unacked(self)
     if #self.unacked == 0 then
         return
     end
     local rest = self.unsent:get()
     local merged = fifo.new()
-    self.unacked_q:move_to(merged)
+    local out = self.unsent
+    local aq = self.unacked_q
+    local p = self.unacked:ref()
+    local off, plain = 0, 0
+    while true do
+        local seq, bytes = aq:pop()
+        if not seq then
+            break
+        end
+        -- (the events of a run but its last keep no bytes in unacked)
+        if bytes > 0 then
+            local h, pp = frame.at(p + off)
+            if h.type == T_SHM then
+                local n = expand_run(self, pp, h.len, out, merged)
+                self.pending_bytes = self.pending_bytes + n - bytes
+            else
+                out:putcdata(p + off, bytes)
+                merged:push(seq, bytes)
+                plain = plain + 1
+            end
+            off = off + bytes
+        end
+    end
     self.unsent_q:move_to(merged)
     self.unsent_q = merged
-    self.unsent:put(self.unacked:get())
-    self.unsent:put(rest)
+    out:put(rest)
     self.unacked:reset()
+    self.unsent_plain = self.unsent_plain + plain
 end
 
 

@@ -58,6 +58,15 @@ typedef struct {
     uint32_t  seq_lo;
     uint32_t  part;
 } loom_ev_trailer_t;
+
+typedef struct {
+    int16_t   publisher;
+    uint16_t  reserved;
+    uint32_t  events;
+    double    pos;
+    uint32_t  len;
+    uint32_t  reserved2;
+} loom_ev_shm_t;
 ]]
 
 
@@ -67,6 +76,8 @@ local FRAME_SIZE = ffi_sizeof("loom_ev_frame_t")
 local EVENT_SIZE = ffi_sizeof("loom_ev_event_t")
 local TRAILER_PTR = ffi.typeof("loom_ev_trailer_t *")
 local TRAILER_SIZE = ffi_sizeof("loom_ev_trailer_t")
+local SHM_PTR = ffi.typeof("loom_ev_shm_t *")
+local SHM_SIZE = ffi_sizeof("loom_ev_shm_t")
 
 local VERSION = 1
 local CHUNK = 256 * 1024
@@ -100,7 +111,10 @@ local T_URGENT = 9
 -- or skip it (suppressed); the event itself does not come back
 local T_OWN_RUN = 10
 local T_OWN_SKIP = 11
-local T_MAX = 11
+-- a run of events to "all" or "others" in the publisher's ring (see
+-- shm.lua): its sequence number is the run's last event's
+local T_SHM = 12
+local T_MAX = 12
 
 -- reused scratch buffer for event bodies (the worker is single-threaded)
 local body = buf_new(4096)
@@ -130,6 +144,8 @@ local _M = {
     URGENT = T_URGENT,
     OWN_RUN = T_OWN_RUN,
     OWN_SKIP = T_OWN_SKIP,
+    SHM = T_SHM,
+    SHM_SIZE = SHM_SIZE,
     -- targets other than a worker id (>= 0); -1 is the privileged agent
     AGENT = -1,
     ALL = -2,
@@ -269,6 +285,32 @@ function _M.put_event(buf, seq, target, publisher, pid, incarnation,
 end
 
 
+-- Appends an SHM frame: the run of n events (seq its last) that worker
+-- publisher wrote at pos of its ring (len bytes).
+function _M.put_shm(buf, seq, publisher, n, pos, len)
+    put_header(buf, T_SHM, 0, SHM_SIZE, seq)
+    local s = ffi_cast(SHM_PTR, buf:reserve(SHM_SIZE))
+    s.publisher = publisher
+    s.reserved = 0
+    s.events = n
+    s.pos = pos
+    s.len = len
+    s.reserved2 = 0
+    buf:commit(SHM_SIZE)
+    put_trailer(buf, seq, 0)
+    return FRAME_SIZE + SHM_SIZE + TRAILER_SIZE
+end
+
+
+-- The SHM frame's payload (pp, len bytes), or nil when it is not one.
+function _M.check_shm(pp, len)
+    if len ~= SHM_SIZE then
+        return nil
+    end
+    return ffi_cast(SHM_PTR, pp)
+end
+
+
 -- Appends an urgent event (whose body encode_body() just produced, at most
 -- CHUNK bytes with its event header) to buf.
 function _M.put_urgent(buf, target, publisher, pid, incarnation)
@@ -345,7 +387,8 @@ function _M.whole_frames(p, n, max)
         off = off + size
         open = h.flags == FLAG_MORE
         if not open then
-            events = events + 1
+            events = events + (h.type == T_SHM
+                               and ffi_cast(SHM_PTR, h + 1).events or 1)
         end
     end
     return off, events, open
@@ -359,10 +402,14 @@ function _M.count_events(p, n, publisher)
     while off + FRAME_SIZE <= n do
         local h = ffi_cast(FRAME_PTR, p + off)
         local pp = p + off + FRAME_SIZE
-        if h.type == T_EVENT and ffi_cast(TRAILER_PTR, pp + h.len).part == 0
+        local typ = h.type
+        if typ == T_EVENT and ffi_cast(TRAILER_PTR, pp + h.len).part == 0
            and (not publisher
                 or ffi_cast(EVENT_PTR, pp).publisher == publisher) then
             events = events + 1
+        elseif typ == T_SHM and (not publisher
+               or ffi_cast(SHM_PTR, pp).publisher == publisher) then
+            events = events + ffi_cast(SHM_PTR, pp).events
         end
         off = off + FRAME_SIZE + h.len + TRAILER_SIZE
     end

@@ -20,6 +20,7 @@ local mono = dispatch.mono
 local inbox_len = dispatch.inbox_len
 local inbox_push_raw = dispatch.inbox_push_raw
 local report_gap = dispatch.report_gap
+local warn_once = require("resty.loom.events.log").warn_once
 local own_unique = own.own_unique
 local receive_urgent = collect.receive_urgent
 
@@ -30,6 +31,7 @@ local T_REJECT = frame.REJECT
 local T_URGENT = frame.URGENT
 local T_OWN_RUN = frame.OWN_RUN
 local T_OWN_SKIP = frame.OWN_SKIP
+local T_SHM = frame.SHM
 local EVENT_SIZE = frame.EVENT_SIZE
 local ALL = frame.ALL
 local OTHERS = frame.OTHERS
@@ -45,12 +47,14 @@ local SEND_TIMEOUT = 30
 -- seconds spent handling what was read before the reader yields (the
 -- handlers' slice: see dispatch.lua)
 local SLICE = dispatch.SLICE
+local MORE = -1         -- consume() stopped with whole frames left
 
 
 local _M = {
     _VERSION = "0.2.0",
     ACK_EVERY = ACK_EVERY,
     ACK_DELAY = ACK_DELAY,
+    MORE = MORE,
     CONNECT_TIMEOUT = CONNECT_TIMEOUT,
     SEND_TIMEOUT = SEND_TIMEOUT,
 }
@@ -131,11 +135,55 @@ local function on_ack(self, seq)
 end
 
 
+local consume
+
+
+-- A run of events in a publisher's ring (SHM frame payload at pp, len
+-- bytes): copied out and handled as if they had come on the socket. A run
+-- written over before we read it is lost; the gap shows at the
+-- publisher's next event.
+local function receive_run(self, pp, len, st)
+    local s = frame.check_shm(pp, len)
+    if not s then
+        return nil, "bad SHM frame"
+    end
+    local bytes = s.len
+    local rings = self.rings
+    if not rings then
+        return nil, "an SHM frame, and no rings"
+    end
+    local buf = self.ring_buf
+    if not rings:get(s.publisher, s.pos, s.len, buf) then
+        local c = self.counters
+        c.overwritten = c.overwritten + s.events
+        st.got = st.got + s.events
+        warn_once(self, "overwritten", s.events, " event(s) from worker ",
+                  s.publisher, " written over in its ring before this "
+                  .. "worker read them; ", c.overwritten, " so far")
+        return bytes
+    end
+    local got = st.got
+    local need, err = consume(self, buf, st, true)
+    if need ~= 0 or #buf > 0 then
+        return nil, err or "a partial frame in a ring's run"
+    end
+    if st.got - got ~= s.events then
+        return nil, "a ring's run of " .. s.events .. " events held "
+                    .. st.got - got
+    end
+    return bytes
+end
+
+
 -- Handles the whole frames at the front of rbuf (st collects a chunked
--- event across calls). Returns the bytes still missing of the next frame
--- (0: unknown), or nil and what was wrong.
-local function consume(self, rbuf, st)
+-- event across calls; inner: rbuf is a ring's run, events only). Returns
+-- the bytes still missing of the next frame (0: unknown), MORE when it
+-- stopped before the end of what is there (the inbox is full, or it took
+-- a read's worth from the rings: a small SHM frame stands for up to
+-- WRITE_MAX bytes of events), or nil and what was wrong.
+function consume(self, rbuf, st, inner)
     local max_payload = self.opts.max_payload
+    local from_rings = 0
     while true do
         local h, pp, size = frame.peek(rbuf, CHUNK)
         if h == nil then
@@ -160,6 +208,23 @@ local function consume(self, rbuf, st)
             end
             if not ok then
                 return nil, err
+            end
+
+        elseif inner then
+            return nil, "unexpected frame type " .. tostring(typ)
+                        .. " in a ring's run"
+
+        elseif typ == T_SHM then
+            local bytes
+            bytes, err = receive_run(self, pp, h.len, st)
+            if not bytes then
+                return nil, err
+            end
+            from_rings = from_rings + bytes
+            if from_rings >= READ_SIZE
+               or inbox_len(self) >= self.opts.max_backlog then
+                rbuf:skip(size)
+                return MORE
             end
 
         elseif typ == T_ACK then
@@ -217,21 +282,24 @@ local function reader(self, sock, link)
     while true do
         wait_inbox_room(self, link)
 
-        -- the rest of a frame, or what is there: see frame.lua for why
-        local data, err
-        if need > EXACT_MIN then
-            data, err = sock:receive(need)
-        else
-            data, err = sock:receiveany(READ_SIZE)
+        local err
+        if need ~= MORE then
+            -- the rest of a frame, or what is there: see frame.lua for why
+            local data
+            if need > EXACT_MIN then
+                data, err = sock:receive(need)
+            else
+                data, err = sock:receiveany(READ_SIZE)
+            end
+            if link.error then
+                return nil, link.error
+            end
+            if not data then
+                return nil, err == "timeout" and "broker heartbeat timeout"
+                            or err
+            end
+            rbuf:put(data)
         end
-        if link.error then
-            return nil, link.error
-        end
-        if not data then
-            return nil, err == "timeout" and "broker heartbeat timeout"
-                        or err
-        end
-        rbuf:put(data)
         local t0 = mono()
         need, err = consume(self, rbuf, st)
         if not need then
