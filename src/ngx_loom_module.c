@@ -35,6 +35,7 @@ static ngx_int_t ngx_loom_peer_variable(ngx_http_request_t *r,
 int ngx_loom_ffi_pin_listener(const u_char *path, size_t len,
     int owner, int *matched, char **err);
 long long ngx_loom_ffi_generation(void);
+void ngx_loom_ffi_fence(void);
 int ngx_loom_ffi_worker(void);
 int ngx_loom_ffi_is_sibling(int pid);
 int ngx_loom_ffi_prepare_socket(const u_char *path, size_t len, char **err);
@@ -439,6 +440,16 @@ long long
 ngx_loom_ffi_generation(void)
 {
     return ngx_loom_generation;
+}
+
+
+/* A full memory barrier: the events' rings in shared memory order a
+ * run's header and bytes against their tail with it (LuaJIT's FFI has
+ * no barrier of its own; x86 would keep the order, arm64 would not). */
+void
+ngx_loom_ffi_fence(void)
+{
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
 }
 
 

@@ -151,6 +151,59 @@ def test_a_subscriber_too_slow_keeps_its_runs(nginx):
         assert st[w]["trace"] == list(range(1, 1201)), w
 
 
+def test_a_plain_event_now_and_then_keeps_the_runs_going(nginx):
+    """An event that cannot travel in a ring (here one to worker 0 every
+    50 events) goes on the socket in its place in the order; the runs
+    around it still go through the ring."""
+    n = start(nginx)
+    r = pub_from(n, 1, "target=mixrare&n=5000&source=trace")
+    assert r["ok"] == 5000
+    want = [i for i in range(1, 5001) if i % 50 != 0]
+    st = wait_traces(n, {0: 5000, 1: len(want), 2: len(want)})
+    assert st[1]["trace"] == want and st[2]["trace"] == want
+    assert st[0]["trace"] == list(range(1, 5001))
+    # runs end at each of the 100 plain events, or at 64 KiB
+    assert ring(st, 1)["events"] >= 0.9 * len(want), ring(st, 1)
+
+
+BLOCK5 = """
+    if ngx.worker.id() == 2 then
+        require("resty.loom.events").get():subscribe("block", "e",
+            function() ngx.sleep(5) end)
+    end
+"""
+
+
+def test_runs_not_acknowledged_stay_for_a_re_send(nginx):
+    """A publisher whose reader is held (its inbox full) reads no
+    acknowledgements, while the broker frees its runs: its ring must not
+    write over them, as a reconnect re-sends them. Then the broker is
+    killed: its events, and what it publishes after, reach everyone."""
+    n = start(nginx, opts="max_backlog = 20, ring_bytes = 262144",
+              extra_worker=BLOCK5)
+    n.allow_log(r"exited on signal 9")
+    n.allow_log(r"\((104: Connection reset by peer|32: Broken pipe)\)")
+    assert pub_from(n, 1, "target=2&n=1&source=block")["ok"] == 1
+    time.sleep(0.3)
+    assert pub_from(n, 1, "target=2&n=25&source=fill")["ok"] == 25
+    time.sleep(0.3)
+    # 2 MB from worker 2, 8 times its ring, while it reads nothing
+    r = pub_from(n, 2, "target=all&n=200&size=10000&source=big")
+    assert r["ok"] == 200
+    time.sleep(1)
+    st = ec.states(n)
+    assert st[2]["stats"]["queue"]["unacked"] > 0
+    pid = st[0]["pid"]
+    n.kill(pid, signal.SIGKILL)
+    n.wait_workers(3, exclude=[pid])
+    st = wait_received(n, {1: {"2:big:e": 200}}, timeout=20)
+    assert pub_from(n, 2, "target=all&n=10&source=after")["ok"] == 10
+    st = wait_received(n, {w: {"2:after:e": 10} for w in (0, 1)})
+    assert st[2]["stats"]["dropped"].get("ring") is None
+    for w in range(3):
+        assert st[w]["stats"]["ring"]["overwritten"] == 0, w
+
+
 def wait_received(n, want, timeout=20):
     """Until every worker w has received want[w][key] events of each key
     ("publisher:source:event"); a respawned worker counts from 0."""

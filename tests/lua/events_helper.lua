@@ -169,7 +169,11 @@ function _M.handle()
         for i = start, start + n - 1 do
             local data = { n = i, blob = pad }
             local to = target
-            if to == "mixself" then
+            if to == "mixrare" then
+                -- "all", and every 50th to worker 0: a plain event now and
+                -- then among runs
+                to = i % 50 == 0 and 0 or "all"
+            elseif to == "mixself" then
                 -- "all", then this worker by id, and so on
                 to = i % 2 == 1 and "all" or ngx.worker.id()
             elseif to == "mixunique" then

@@ -271,10 +271,13 @@ function _M.new(opts)
         unsent_q = fifo.new(),      -- (seq, bytes) per unsent event
         unacked = buf_new(65536),
         unacked_q = fifo.new(),     -- (seq, bytes) per sent event
-        -- events in unsent that cannot travel in our ring (see shm.lua):
-        -- while any, nothing does
-        unsent_plain = 0,
+        -- (seq, 0) per event in unsent that cannot travel in our ring
+        -- (see shm.lua): a run stops before it
+        plain_q = fifo.new(),
         has_ring = false,
+        -- (last seq, position) per run in our ring not acknowledged yet:
+        -- re-sent as events after a reconnect, so never written over
+        ring_runs = fifo.new(),
         ring_out = buf_new(4096),   -- SHM frames for runs in our ring
         ring_buf = buf_new(65536),  -- a run copied from a ring
         pending = 0,                -- events unsent + unacked
@@ -677,8 +680,9 @@ function _M.publish(self, target, source, event, data)
         self.own:push(seq, source, event, frame.copy_data(data), now, true)
     end
     self.unsent_q:push(seq, bytes)
-    if (kind ~= ALL and kind ~= OTHERS) or bytes > WRITE_MAX then
-        self.unsent_plain = self.unsent_plain + 1
+    if self.has_ring and ((kind ~= ALL and kind ~= OTHERS)
+                          or bytes > WRITE_MAX) then
+        self.plain_q:push(seq, 0)
     end
     self.pending = self.pending + 1
     self.pending_bytes = self.pending_bytes + bytes

@@ -80,21 +80,47 @@ end
 -- Returns the frames, the first and the last seq, and the bytes taken.
 local function take(self, aq)
     local uq = self.unsent_q
-    local via_ring = self.has_ring and self.unsent_plain == 0
-    if via_ring and not self.rings:room(self.worker, WRITE_MAX) then
-        -- (the broker still needs the runs there: a subscriber is behind)
-        via_ring = false
-        self.counters.ring_full = self.counters.ring_full + 1
+    local first = uq:peek()
+    -- the next event that cannot travel in the ring: a run stops before it
+    -- (those before first were taken, or dropped by drop_oldest)
+    local pq = self.plain_q
+    local plain = pq:peek()
+    while plain and plain < first do
+        pq:pop()
+        plain = pq:peek()
+    end
+    local runs = self.ring_runs
+    local _, keep = runs:peek()
+    -- a run in the ring; or, first being such an event, the events of
+    -- that kind in a row; or (no ring, or no room in it) all of them
+    local via_ring, only_plain = false, false
+    if self.has_ring then
+        if first == plain then
+            only_plain = true
+        elseif self.rings:room(self.worker, WRITE_MAX, keep) then
+            via_ring = true
+        else
+            -- (the broker still needs the runs there, a subscriber being
+            -- behind, or we do: not acknowledged yet)
+            self.counters.ring_full = self.counters.ring_full + 1
+        end
     end
     local bytes, n = 0, 0
     -- (a run counts as its events in the bounds of the broker's queues)
     local max_run = self.opts.max_backlog
-    local first, last = uq:peek(), 0
+    local last = 0
     while true do
         local s, b = uq:peek()
         if not s or (bytes > 0 and bytes + b > WRITE_MAX)
-           or (via_ring and n == max_run) then
+           or (via_ring and (n == max_run or s == plain)) then
             break
+        end
+        if only_plain then
+            if s ~= plain then
+                break
+            end
+            pq:pop()
+            plain = pq:peek()
         end
         uq:pop()
         if aq then
@@ -106,19 +132,18 @@ local function take(self, aq)
         end
         bytes, n, last = bytes + b, n + 1, s
     end
-    if uq:len() == 0 then
-        self.unsent_plain = 0
-    end
     if not via_ring then
         return self.unsent:get(bytes), first, last, bytes
     end
-    local pos = self.rings:put(self.worker, self.unsent:ref(), bytes, n)
+    local pos = self.rings:put(self.worker, self.unsent:ref(), bytes, n,
+                               keep)
     self.unsent:skip(bytes)
     self.counters.ring_events = self.counters.ring_events + n
     local out = self.ring_out
     local size = frame.put_shm(out, last, self.worker, n, pos, bytes)
     if aq then
         aq:push(last, size)
+        runs:push(last, pos)
     end
     return out:get(), first, last, bytes
 end
@@ -214,7 +239,7 @@ local function local_writer(self, link)
             local first, n = uq:peek(), uq:len()
             local bytes = #self.unsent
             local batch
-            if self.has_ring and self.unsent_plain == 0 then
+            if self.has_ring then
                 -- runs in our ring: the broker gets their SHM frames
                 batch = self.spare
                 while #self.unsent > 0 do
@@ -222,7 +247,6 @@ local function local_writer(self, link)
                 end
             else
                 uq:clear()
-                self.unsent_plain = 0
                 -- publishes go on into the spare buffer while the broker
                 -- takes this one (it may wait for a slow worker)
                 batch = self.unsent
@@ -279,13 +303,19 @@ end
 
 
 -- The frames of our run in the ring that the SHM frame at pp (len bytes)
--- stands for, appended to out, and (seq, bytes) per event to q. Unacked
--- runs are never written over: a failure is a bug.
+-- stands for, appended to out, and (seq, bytes) per event to q. Returns
+-- their bytes, or nil and the events lost: a run not acknowledged is
+-- never written over (see take), so that is a bug, counted and logged.
 local function expand_run(self, pp, len, out, q)
     local s = frame.check_shm(pp, len)
     local run = self.ring_buf
     if not (s and self.rings:get(self.worker, s.pos, s.len, run)) then
-        error("a run of ours not acknowledged is gone from our ring")
+        local lost = s and s.events or 0
+        local dropped = self.counters.dropped
+        dropped.ring = (dropped.ring or 0) + lost
+        log(ERR, "lost ", lost, " event(s) of ours not acknowledged: their "
+            .. "run is gone from our ring")
+        return nil, lost
     end
     local p, n = run:ref()
     local off = 0
@@ -309,10 +339,12 @@ local function requeue_unacked(self)
     end
     local rest = self.unsent:get()
     local merged = fifo.new()
+    -- (what was sent as it is goes so again: it holds what a ring cannot)
+    local plain = fifo.new()
     local out = self.unsent
     local aq = self.unacked_q
     local p = self.unacked:ref()
-    local off, plain = 0, 0
+    local off = 0
     while true do
         local seq, bytes = aq:pop()
         if not seq then
@@ -322,12 +354,17 @@ local function requeue_unacked(self)
         if bytes > 0 then
             local h, pp = frame.at(p + off)
             if h.type == T_SHM then
-                local n = expand_run(self, pp, h.len, out, merged)
-                self.pending_bytes = self.pending_bytes + n - bytes
+                local n, lost = expand_run(self, pp, h.len, out, merged)
+                if n then
+                    self.pending_bytes = self.pending_bytes + n - bytes
+                else
+                    self.pending = self.pending - lost
+                    self.pending_bytes = self.pending_bytes - bytes
+                end
             else
                 out:putcdata(p + off, bytes)
                 merged:push(seq, bytes)
-                plain = plain + 1
+                plain:push(seq, 0)
             end
             off = off + bytes
         end
@@ -336,7 +373,9 @@ local function requeue_unacked(self)
     self.unsent_q = merged
     out:put(rest)
     self.unacked:reset()
-    self.unsent_plain = self.unsent_plain + plain
+    self.ring_runs:clear()
+    self.plain_q:move_to(plain)
+    self.plain_q = plain
 end
 
 

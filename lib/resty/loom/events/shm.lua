@@ -26,6 +26,7 @@ ffi.cdef [[
 void *mmap(void *addr, size_t length, int prot, int flags, int fd,
            long offset);
 int munmap(void *addr, size_t length);
+void ngx_loom_ffi_fence(void);
 
 typedef struct {
     double  head;       /* the end of the last run written */
@@ -47,6 +48,8 @@ local RUN_PTR = ffi.typeof("loom_ev_run_t *")
 local RING_HEAD = 64                -- a ring's header, a cache line
 local RUN_SIZE = ffi_sizeof("loom_ev_run_t")
 
+local fence      -- ngx_loom_ffi_fence, resolved by new()
+
 local PROT_READ, PROT_WRITE = 1, 2
 local MAP_SHARED, MAP_ANONYMOUS = 0x01, 0x20
 local MAP_FAILED = ffi_cast("void *", -1)
@@ -61,6 +64,7 @@ local mt = { __index = _M }
 -- fill; the mapping goes with the Lua VM that made it (the workers keep
 -- their copy).
 function _M.new(slots, size)
+    fence = C.ngx_loom_ffi_fence
     local slot = RING_HEAD + size
     local len = slots * slot
     local p = C.mmap(nil, len, PROT_READ + PROT_WRITE,
@@ -83,8 +87,10 @@ end
 
 
 -- where a run of len bytes goes in ring r: its position and end, or nil
--- when the ring has no room for it (the broker still needs what is there)
-local function place(r, size, len)
+-- when the ring has no room for it: the broker still needs what is
+-- there, or the publisher does (keep: its oldest run not acknowledged,
+-- which it re-sends after a reconnect)
+local function place(r, size, len, keep)
     local head = r.head
     local need = RUN_SIZE + len
     need = need + (-need) % 8
@@ -94,7 +100,11 @@ local function place(r, size, len)
         head = head + (size - off)
     end
     local stop = head + need
-    if stop - r.free > size then
+    local low = r.free
+    if keep and keep < low then
+        low = keep
+    end
+    if stop - low > size then
         return nil
     end
     return head, stop
@@ -114,23 +124,27 @@ function _M.has(self, wid)
 end
 
 
--- whether worker wid's ring has room for a run of len bytes now
-function _M.room(self, wid, len)
-    return place(ring(self, wid), self.size, len) ~= nil
+-- whether worker wid's ring has room for a run of len bytes now (keep:
+-- see place)
+function _M.room(self, wid, len, keep)
+    return place(ring(self, wid), self.size, len, keep) ~= nil
 end
 
 
 -- Writes the len bytes at p (n events) into worker wid's ring. Returns the
 -- run's position, or nil when the ring has no room.
-function _M.put(self, wid, p, len, n)
+function _M.put(self, wid, p, len, n, keep)
     local r = ring(self, wid)
     local size = self.size
-    local pos, stop = place(r, size, len)
+    local pos, stop = place(r, size, len, keep)
     if not pos then
         return nil
     end
     if stop - size > r.tail then
         r.tail = stop - size
+        -- (readers must see the tail raised before the bytes it frees
+        -- change)
+        fence()
     end
     local at = self.base + wid * self.slot + RING_HEAD + pos % size
     local run = ffi_cast(RUN_PTR, at)
@@ -138,6 +152,7 @@ function _M.put(self, wid, p, len, n)
     run.len = len
     run.events = n
     ffi_copy(at + RUN_SIZE, p, len)
+    fence()
     r.head = stop
     return pos
 end
@@ -177,6 +192,8 @@ function _M.get(self, wid, pos, len, buf)
         return false
     end
     buf:putcdata(p, len)
+    -- (the copy before the second look at the tail: see put)
+    fence()
     if pos < ring(self, wid).tail then
         -- written over while we copied
         buf:reset()
