@@ -14,6 +14,8 @@
 
 
 local ffi = require "ffi"
+-- declares mmap and munmap (one place for them)
+require "resty.loom.file"
 
 local C = ffi.C
 local ffi_cast = ffi.cast
@@ -23,9 +25,6 @@ local setmetatable = setmetatable
 
 
 ffi.cdef [[
-void *mmap(void *addr, size_t length, int prot, int flags, int fd,
-           long offset);
-int munmap(void *addr, size_t length);
 void ngx_loom_ffi_fence(void);
 
 typedef struct {
