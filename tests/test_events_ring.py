@@ -280,6 +280,18 @@ def test_no_rings(nginx, how):
         assert st[w]["order_errors"] == 0
 
 
+def test_a_lone_worker_keeps_its_events_out_of_its_ring(nginx):
+    """With one worker, "all" reaches its own handlers alone: nothing goes
+    through the ring (it would only copy the events)."""
+    n = start(nginx, workers=1)
+    r = n.get("/ev/pub?target=all&n=3000&size=10000&source=trace").json()
+    assert r["ok"] == 3000
+    st = wait_traces(n, {0: 3000})
+    assert st[0]["trace"] == list(range(1, 3001))
+    assert ring(st, 0) == {"events": 0, "full": 0, "held": 0,
+                           "overwritten": 0}
+
+
 def ring_mappings(pid, size):
     """The process's shared anonymous mappings of that many bytes."""
     with open("/proc/%d/maps" % pid) as f:

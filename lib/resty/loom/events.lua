@@ -377,10 +377,13 @@ function _M.init_worker(self)
         return nil, "failed to init: not a worker process"
     end
     self.worker = wid
-    self.has_ring = self.rings ~= nil and self.rings:has(wid)
     self.pid = ngx.worker.pid()
     self.incarnation = incarnation()
     self.worker_count = ngx.worker.count()
+    -- (a lone worker's "all" events go to its own handlers alone: a ring
+    -- would only copy them)
+    self.has_ring = self.rings ~= nil and self.rings:has(wid)
+                    and (self.worker_count > 1 or opts.privileged_agent)
     self.generation = tonumber(C.ngx_loom_ffi_generation())
 
     if wid ~= AGENT then
