@@ -90,7 +90,7 @@ local function sender(premature, self)
     local gen       -- self.redis.gen when red was made
     local exit_by
     local joined_key = "joined:" .. self.stream     -- set by the reader
-    local join_by
+    local joined, join_by
     while true do
         if worker_exiting() then
             ngx_update_time()
@@ -116,12 +116,11 @@ local function sender(premature, self)
                 gen = self.redis.gen
             end
             local ok = red
-            local waiting = red and not self.dict:get(joined_key)
-            if waiting then
+            if red and not joined then
                 join_by = join_by or ngx_now() + JOIN_WAIT
-                waiting = ngx_now() < join_by
+                joined = self.dict:get(joined_key) or ngx_now() >= join_by
             end
-            if waiting then
+            if red and not joined then
                 -- the node's group starts at the stream's end when its
                 -- reader makes it: an event sent before would never reach
                 -- this node's own workers, so the events wait queued

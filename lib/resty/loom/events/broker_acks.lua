@@ -29,14 +29,15 @@ local function too_slow(q, now, slow)
 end
 
 
--- (strict: every queue counts, as a ring's runs must stay while any
--- queue holds their frame)
-local function watermark(b, slow, strict)
+-- The acknowledgements' watermark (see above) and the rings': events older
+-- than the second are in no queue at all, a slow or down worker's included
+-- (a run stays in its ring while a queue holds its SHM frame).
+local function watermarks(b, slow)
     local low = b.next_bidx
+    local held = low
     local now = ngx_now()
     for _, q in pairs(b.queues) do
-        if strict and not q.gone
-           or not strict and q.conn and not too_slow(q, now, slow) then
+        if not q.gone then
             local _, _, _, sent_bidx = q.sent:first()
             -- the oldest of: unacknowledged, being written, queued (an
             -- enqueue that waited may put an earlier event behind a send)
@@ -49,57 +50,49 @@ local function watermark(b, slow, strict)
             if f and (not i or f < i) then
                 i = f
             end
-            if i and i < low then
-                low = i
+            if i then
+                if i < held then
+                    held = i
+                end
+                if i < low and q.conn and not too_slow(q, now, slow) then
+                    low = i
+                end
             end
         end
     end
-    return low
+    return low, held
 end
 
 
--- the runs no queue holds any more leave their publishers' rings
-local function release_rings(b)
-    local low
-    for wid, rings in pairs(b.rings) do
-        if rings:len() > 0 then
-            low = low or watermark(b, 0, true)
-            local stop
-            while true do
-                local bidx, e = rings:peek()
-                if not bidx or bidx >= low then
-                    break
-                end
-                rings:pop()
-                stop = e
-            end
-            if stop then
-                b.shm:release(wid, stop)
-            end
+-- pops the entries of fifo q below index low: the last one's value
+local function pop_below(q, low)
+    local last
+    while true do
+        local i, v = q:peek()
+        if not i or i >= low then
+            return last
         end
+        q:pop()
+        last = v
     end
 end
 
 
 local function send_acks(b)
-    release_rings(b)
-    local low = watermark(b, b.slow_timeout)
+    local low, held = watermarks(b, b.slow_timeout)
+    -- the runs no queue holds any more leave their publishers' rings
+    for wid, runs in pairs(b.rings) do
+        local stop = pop_below(runs, held)
+        if stop then
+            b.shm:release(wid, stop)
+        end
+    end
     for _, q in pairs(b.queues) do
         local c = q.conn
-        if c and c.ackq and c.ackq:len() > 0 then
-            local last
-            while true do
-                local bidx, seq = c.ackq:peek()
-                if not bidx or bidx >= low then
-                    break
-                end
-                c.ackq:pop()
-                last = seq
-            end
-            if last then
-                frame.put_empty(c.ctl, T_ACK, last)
-                wake_writer(q)
-            end
+        local last = c and c.ackq and pop_below(c.ackq, low)
+        if last then
+            frame.put_empty(c.ctl, T_ACK, last)
+            wake_writer(q)
         end
     end
 end

@@ -360,7 +360,6 @@ local function forward_shm(bus, b, c, seq, p, size, s)
         b.rings[from] = rings
     end
     rings:push(last, run_end(s.pos, s.len))
-    return true
 end
 
 

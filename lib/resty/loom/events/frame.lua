@@ -145,7 +145,6 @@ local _M = {
     OWN_RUN = T_OWN_RUN,
     OWN_SKIP = T_OWN_SKIP,
     SHM = T_SHM,
-    SHM_SIZE = SHM_SIZE,
     -- targets other than a worker id (>= 0); -1 is the privileged agent
     AGENT = -1,
     ALL = -2,
