@@ -267,6 +267,41 @@ def tally(nodes, expect, workers=2):
     return res, lost, dups
 
 
+def last_handled(n, pids):
+    """{(worker id, (tag, seq))}: the last event each of `pids` recorded in
+    the node's files (its handler ran; a SIGKILL right after it can stop
+    the mark that would have kept it from running again)."""
+    last = {}
+    logs = os.path.join(n.prefix, "logs")
+    for name in os.listdir(logs):
+        if name.startswith("h-") and name.endswith(".log"):
+            wid = int(name[2:-4])
+            with open(os.path.join(logs, name)) as f:
+                for line in f:
+                    parts = line.split()
+                    if len(parts) == 3 and int(parts[2]) in pids:
+                        last[int(parts[2])] = (wid, (parts[0], int(parts[1])))
+    return set(last.values())
+
+
+def unexplained_dups(nodes, expect, victim, killed_pids, workers=2):
+    """The duplicates a SIGKILL does not explain: all but a second run, in
+    the victim node's worker slot, of the last event a killed worker of
+    that slot recorded (the window between an event's handlers and its
+    mark, docs/cluster.md)."""
+    window = last_handled(victim, set(killed_pids))
+    out = []
+    for n in nodes:
+        for wid, c in handled(n).items():
+            if wid >= workers:
+                continue
+            for k, v in c.items():
+                if k in expect and v > 1 and not (
+                        n is victim and v == 2 and (wid, k) in window):
+                    out.append((n.node_id, wid, k, v))
+    return out
+
+
 def wait_tally(nodes, expect, timeout=60, workers=2):
     deadline = time.time() + timeout
     while True:

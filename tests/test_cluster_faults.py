@@ -10,7 +10,8 @@ import time
 
 from clusterconf import (need_redis, redis_factory, start_node,  # noqa: F401
                          wait_readers, publish, wait_tally, tally, stats,
-                         reader_pid, handled, cpu_seconds, PEER_GONE)
+                         reader_pid, handled, cpu_seconds, PEER_GONE,
+                         last_handled, unexplained_dups)
 
 pytestmark = need_redis
 
@@ -49,14 +50,19 @@ def test_reader_killed_mid_stream(redis_factory, nginx):
     expect = {("k", s) for s in range(1, 6001)}
     res, lost, dups = wait_tally(nodes, expect, timeout=30)
     print("reader killed:", res)
-    # every worker slot, the killed one too: each event exactly once (the
-    # successor read the killed worker's marks file region at its start)
-    assert (lost, dups) == (0, 0), (slot, res)
+    # every worker slot, the killed one too: each event once (the
+    # successor read the killed worker's marks file region at its start),
+    # but for the one event a SIGKILL between its handler and its mark
+    # leaves unmarked
+    assert lost == 0, (slot, res)
+    assert unexplained_dups(nodes, expect, victim_node, [victim]) == [], \
+        (slot, res)
     assert reader_pid(victim_node) != victim
 
 
 def kill_node(victim, nodes):
-    pids = [victim.master_pid] + victim.worker_pids()
+    workers = victim.worker_pids()
+    pids = [victim.master_pid] + workers
     for p in pids:
         victim.kill(p, signal.SIGKILL)
     victim.master_pid = None
@@ -64,6 +70,7 @@ def kill_node(victim, nodes):
         n.allow_log(PEER_GONE)
     # the processes die in no set order: the master can outlive a worker
     victim.allow_log(r"exited on signal 9")
+    return workers
 
 
 def restart_node(nginx, r, victim):
@@ -81,7 +88,7 @@ def test_whole_node_killed_and_restarted(redis_factory, nginx):
     victim = nodes[2]
     t, out = publish_bg(nodes[0], 6000, "w", 3000)
     time.sleep(0.7)
-    kill_node(victim, nodes)
+    killed = kill_node(victim, nodes)
     t.join()
     assert out[0]["ok"] == 6000, out
     time.sleep(0.5)
@@ -93,8 +100,11 @@ def test_whole_node_killed_and_restarted(redis_factory, nginx):
     # lost: none (the group kept the node's place, pending entries are
     # read first). Duplicates: none, though the node died with batches
     # handled and not acknowledged (read again, `duplicates` counts them):
-    # the marks file told the new workers what the old ones had run
-    assert (lost, dups) == (0, 0), res
+    # the marks file told the new workers what the old ones had run. Only
+    # an event a worker was killed between the end of its handler and its
+    # mark may run twice, one per killed worker at most.
+    assert lost == 0, res
+    assert unexplained_dups(nodes, expect, back, killed) == [], res
     st = stats(back)
     print("restarted node:", st["marks_loaded"], "marks loaded,",
           st["duplicates"], "redelivered events dropped")
@@ -110,11 +120,13 @@ def test_whole_node_killed_mid_nodes_events(redis_factory, nginx):
     victim = nodes[1]
     t, out = publish_bg(nodes[0], 6000, "nd", 3000, target="nodes")
     time.sleep(0.7)
-    kill_node(victim, nodes)
+    killed = kill_node(victim, nodes)
     t.join()
     assert out[0]["ok"] == 6000, out
     time.sleep(0.5)
     nodes[1] = restart_node(nginx, r, victim)
+    # a killed reader's last "nodes" event may run again (see above)
+    window = {k for _, k in last_handled(nodes[1], set(killed))}
     deadline = time.time() + 30
     while True:
         runs = []
@@ -130,8 +142,9 @@ def test_whole_node_killed_mid_nodes_events(redis_factory, nginx):
         time.sleep(0.2)
     for n, c in zip(nodes, runs):
         assert sorted(c) == list(range(1, 6001)), n.node_id
-        assert set(c.values()) == {1}, (n.node_id, [s for s, v in c.items()
-                                                    if v > 1][:20])
+        twice = [s for s, v in c.items() if v > 1 and not (
+            n is nodes[1] and v == 2 and ("nd", s) in window)]
+        assert twice == [], (n.node_id, twice[:20])
 
 
 def test_a_marks_file_of_garbage_is_replaced(redis_factory, nginx):
