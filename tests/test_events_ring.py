@@ -204,6 +204,57 @@ def test_runs_not_acknowledged_stay_for_a_re_send(nginx):
         assert st[w]["stats"]["ring"]["overwritten"] == 0, w
 
 
+def test_a_new_broker_keeps_the_runs_a_worker_still_holds(nginx):
+    """Worker 2 holds SHM frames from the broker unread (its inbox full)
+    when the broker is killed. The new broker knows nothing of them: it
+    keeps every run in the rings until each worker has connected to it
+    (which a worker does only after reading its old connection to the
+    end), so what the publisher writes meanwhile goes on the socket and
+    none of those runs is written over."""
+    # (no ping from worker 2 while it sleeps: a failed write would end its
+    # link before it reads what it holds, and that is not this case)
+    n = start(nginx, opts="max_backlog = 20, slow_timeout = 0.5, "
+              "ring_bytes = 262144, heartbeat = 30", extra_worker=BLOCK5)
+    n.allow_log(r"exited on signal 9")
+    n.allow_log(r"\((104: Connection reset by peer|32: Broken pipe)\)")
+    n.allow_log(r"dropping events for worker 2")
+    assert pub_from(n, 1, "target=all&n=1&source=block")["ok"] == 1
+    time.sleep(0.3)
+    # about a ring's worth of runs of ~21 events: worker 2 copies the
+    # first into its inbox (then full) and holds the others' frames
+    r = pub_from(n, 1, "target=all&n=80&size=3000&source=a")
+    assert r["ok"] == 80
+    wait_received(n, {0: {"1:a:e": 80}})
+    assert ring(ec.states(n), 1)["events"] >= 60
+    pid = ec.states(n)[0]["pid"]
+    n.kill(pid, signal.SIGKILL)
+    n.wait_workers(3, exclude=[pid])
+    # 8 rings' worth from worker 1 while worker 2 still sleeps
+    r = pub_from(n, 1, "target=all&n=200&size=10000&source=b")
+    assert r["ok"] == 200
+    wait_received(n, {w: {"1:b:e": 200} for w in (0, 1)}, timeout=30)
+    # worker 2 wakes, reads what it holds, connects to the new broker
+    deadline = time.time() + 30
+    while True:
+        st = ec.states(n)
+        q2 = st[0]["stats"]["broker"]["queues"].get("2")
+        if q2 and q2["connected"]:
+            break
+        assert time.time() < deadline, q2
+        time.sleep(0.1)
+    st = ec.states(n)
+    print("worker 2:", st[2]["received"], st[2]["stats"]["ring"])
+    # (what the dead broker had not sent worker 2, and what the new one
+    # dropped for it while it slept, are gone: counted, not our concern)
+    assert st[2]["stats"]["ring"]["overwritten"] == 0, st[2]["stats"]["ring"]
+    assert st[2]["order_errors"] == 0
+    # every worker has connected: the rings are free again
+    before = ring(st, 1)["events"]
+    assert pub_from(n, 1, "target=all&n=100&source=c")["ok"] == 100
+    st = wait_received(n, {w: {"1:c:e": 100} for w in range(3)})
+    assert ring(st, 1)["events"] - before >= 90, ring(st, 1)
+
+
 def wait_received(n, want, timeout=20):
     """Until every worker w has received want[w][key] events of each key
     ("publisher:source:event"); a respawned worker counts from 0."""

@@ -54,6 +54,7 @@ local queue = bqueue.queue
 local count = bqueue.count
 local drop = bqueue.drop
 local send_acks = acks.send_acks
+local connected = acks.connected
 local writer = bwriter.writer
 local release = bwriter.release
 local consume = breader.consume
@@ -136,6 +137,7 @@ local function attach(b, q, c)
     end
     q.conn = c
     q.gone = false
+    connected(b, q.wid)
     if c.sock then
         b.remote = b.remote + 1
     end

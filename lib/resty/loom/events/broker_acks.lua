@@ -81,10 +81,14 @@ end
 local function send_acks(b)
     local low, held = watermarks(b, b.slow_timeout)
     -- the runs no queue holds any more leave their publishers' rings
-    for wid, runs in pairs(b.rings) do
-        local stop = pop_below(runs, held)
-        if stop then
-            b.shm:release(wid, stop)
+    -- (none while a worker may hold a frame from a broker before us: a
+    -- release frees everything before it)
+    if not b.rings_waiting then
+        for wid, runs in pairs(b.rings) do
+            local stop = pop_below(runs, held)
+            if stop then
+                b.shm:release(wid, stop)
+            end
         end
     end
     for _, q in pairs(b.queues) do
@@ -95,6 +99,27 @@ local function send_acks(b)
             wake_writer(q)
         end
     end
+end
+
+
+-- Worker wid has connected to us: it holds no frame from a broker before
+-- us. Once every worker has, the runs written before we started are free.
+local function connected(b, wid)
+    local waiting = b.rings_waiting
+    if not (waiting and waiting[wid]) then
+        return
+    end
+    waiting[wid] = nil
+    b.rings_left = b.rings_left - 1
+    if b.rings_left > 0 then
+        return
+    end
+    b.rings_waiting = nil
+    for w, head in pairs(b.old_heads) do
+        b.shm:release(w, head)
+    end
+    b.old_heads = nil
+    send_acks(b)
 end
 
 
@@ -128,6 +153,7 @@ end
 _M.too_slow = too_slow
 _M.send_acks = send_acks
 _M.on_received = on_received
+_M.connected = connected
 
 
 return _M

@@ -63,9 +63,22 @@ local function state(bus)
     }
     bus.broker_state = b
     if b.shm then
-        -- the runs the queues of a broker before us held are free: those
-        -- queues are gone
-        b.shm:forget_all()
+        -- A broker before us (killed) may have sent a worker SHM frames it
+        -- has not read yet (its inbox full): the runs written so far stay
+        -- in the rings until every worker has connected to us, which it
+        -- does only once it has read its old connection to the end
+        -- (broker_acks.connected)
+        local waiting = {}
+        local workers = ngx.worker.count()
+        for wid = 0, workers - 1 do
+            waiting[wid] = true
+        end
+        if bus.opts.privileged_agent then
+            waiting[frame.AGENT] = true
+        end
+        b.rings_waiting = waiting
+        b.rings_left = workers + (bus.opts.privileged_agent and 1 or 0)
+        b.old_heads = b.shm:heads()
     end
     return b
 end

@@ -213,12 +213,13 @@ function _M.release(self, wid, pos)
 end
 
 
--- A new broker: no queue holds a run of any ring (a publisher re-sends
--- what the last one did not acknowledge as its events).
-function _M.forget_all(self)
+-- every ring's head: wid -> the end of its last run written
+function _M.heads(self)
+    local out = {}
     for wid = 0, self.slots - 1 do
-        self:release(wid)
+        out[wid] = ring(self, wid).head
     end
+    return out
 end
 
 
