@@ -299,14 +299,24 @@ local function reader(self, sock, link)
             else
                 data, err = sock:receiveany(READ_SIZE)
             end
-            if link.error then
-                return nil, link.error
-            end
             if not data then
+                if link.error then
+                    return nil, link.error
+                end
                 return nil, err == "timeout" and "broker heartbeat timeout"
                             or err
             end
             rbuf:put(data)
+            if link.error and not link.draining then
+                -- our write failed: the broker is gone (or stuck). What it
+                -- sent before is in our socket's buffer, whole frames in
+                -- order: handle them, waiting no more than 1 ms for the
+                -- next bytes (a re-send after the reconnect is dropped as
+                -- a duplicate)
+                link.draining = true
+                sock:settimeouts(CONNECT_TIMEOUT * 1000, SEND_TIMEOUT * 1000,
+                                 1)
+            end
         end
         local t0 = mono()
         need, err = consume(self, rbuf, st)
