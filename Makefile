@@ -141,6 +141,12 @@ bench-%: deps build runtimes
 
 bench: bench-events bench-timer bench-offload bench-watchdog bench-publish
 
+# the loop tax of timers and of events, each switched on and off under one
+# wrk run (bench/onoff.py): bench/results/timer-tax.json, events-tax.json
+bench-tax: deps build
+	$(PYTHON) bench/timer/tax.py
+	$(PYTHON) bench/events/tax.py
+
 # the Lua modules, the nginx module, the offload ABI header and the docs
 install: $(MODULE)
 	cd lib && find resty -name '*.lua' -exec \

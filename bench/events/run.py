@@ -201,6 +201,9 @@ location = /_bench/stats {
 location = /_bench/ctl {
     content_by_lua_block { require("bench_events").ctl() }
 }
+location = /_bench/status {
+    stub_status;
+}
 """
 
 BUS_SERVER = """

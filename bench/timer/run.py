@@ -87,6 +87,15 @@ location = /get {
         ngx.say(ngx.shared.bench:get(ngx.var.arg_k) or "nil")
     }
 }
+location = /switch {
+    content_by_lua_block {
+        ngx.shared.bench:set("switch", tonumber(ngx.var.arg_s))
+        ngx.say("ok")
+    }
+}
+location = /status {
+    stub_status;
+}
 """
 
 

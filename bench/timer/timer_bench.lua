@@ -152,6 +152,82 @@ local function publish(premature)
 end
 
 
+local floor_sts         -- the floor's timers' states; nil: none running
+
+
+-- n timers' states, created as every() is called for the others
+local function states(n, iv)
+    local sts = table.new(n, 0)
+    for i = 1, n do
+        local now = mono()
+        sts[i] = { now, 0, iv, floor((now - base) / iv) }
+    end
+    return sts
+end
+
+
+-- the floor: the same callbacks called in a plain loop every interval
+-- (yielding to nothing: the floor of the CPU cost); floor_xpcall runs each
+-- under xpcall with a traceback handler, with the error isolation a timer
+-- library must give
+local function start_floor(iv)
+    local run_all
+    if _M.variant == "floor" then
+        run_all = function(premature)
+            local sts = floor_sts
+            if not sts then
+                return
+            end
+            for i = 1, #sts do
+                tick(premature, sts[i])
+            end
+        end
+    else
+        local traceback = debug.traceback
+        run_all = function(premature)
+            local sts = floor_sts
+            if not sts then
+                return
+            end
+            for i = 1, #sts do
+                local ok, err = xpcall(tick, traceback, premature, sts[i])
+                if not ok then
+                    ngx.log(ngx.ERR, "bench: ", err)
+                end
+            end
+        end
+    end
+    assert(ngx.timer.every(iv, run_all))
+end
+
+
+local function is_floor()
+    return _M.variant == "floor" or _M.variant == "floor_xpcall"
+end
+
+
+-- n recurring timers of interval iv; returns their handles (none for the
+-- floor)
+local function create(n, iv)
+    if is_floor() then
+        floor_sts = states(n, iv)
+        return {}
+    end
+    local hs = table.new(n, 0)
+    for i = 1, n do
+        local now = mono()
+        local h, err = every(iv, tick, { now, 0, iv,
+                                         floor((now - base) / iv) })
+        if not h then
+            ngx.log(ngx.ERR, "bench: failed to create timer: ", err)
+            break
+        end
+        hs[i] = h
+    end
+    return hs
+end
+
+
 -- init_worker_by_lua: n recurring timers of interval iv
 function _M.init_worker(n, iv)
     if _M.variant == "ng" then
@@ -159,51 +235,44 @@ function _M.init_worker(n, iv)
     end
     base = mono()
     tick_iv = iv
-    if (_M.variant == "floor" or _M.variant == "floor_xpcall") and n > 0 then
-        -- the same callbacks, created the same way, called in a plain loop
-        -- every interval (yielding to nothing: the floor of the CPU cost);
-        -- floor_xpcall runs each under xpcall with a traceback handler,
-        -- with the error isolation a timer library must give
-        local m = n
-        local sts = table.new(m, 0)
-        for i = 1, m do
-            local now = mono()
-            sts[i] = { now, 0, iv, floor((now - base) / iv) }
-        end
-        local run_all
-        if _M.variant == "floor" then
-            run_all = function(premature)
-                for i = 1, m do
-                    tick(premature, sts[i])
-                end
-            end
-        else
-            local traceback = debug.traceback
-            run_all = function(premature)
-                for i = 1, m do
-                    local ok, err = xpcall(tick, traceback, premature,
-                                           sts[i])
-                    if not ok then
-                        ngx.log(ngx.ERR, "bench: ", err)
-                    end
-                end
-            end
-        end
-        assert(ngx.timer.every(iv, run_all))
-        n = 0
+    if is_floor() then
+        start_floor(iv)
     end
-    for _ = 1, n do
-        local now = mono()
-        local ok, err = every(iv, tick, { now, 0, iv,
-                                          floor((now - base) / iv) })
-        if not ok then
-            ngx.log(ngx.ERR, "bench: failed to create timer: ", err)
-            break
-        end
+    if n > 0 then
+        create(n, iv)
     end
     -- the publisher is a native timer in every variant
     assert(ngx.timer.every(0.5, publish))
     ngx.shared.bench:incr("ready", 1, 0)
+end
+
+
+-- init_worker_by_lua, after init_worker (bench/timer/tax.py): n recurring
+-- timers of interval iv switched on and off by "switch" in the shared dict
+-- (odd: on), read every 50 ms; "switched:<worker id>" says which switch
+-- the worker has applied
+function _M.init_switch(n, iv)
+    local d = ngx.shared.bench
+    local wid = ngx.worker.id()
+    local applied = 0
+    local handles
+    assert(ngx.timer.every(0.05, function(premature)
+        local s = d:get("switch") or 0
+        if premature or s == applied then
+            return
+        end
+        if s % 2 == 1 and not handles then
+            handles = create(n, iv)
+        elseif s % 2 == 0 and handles then
+            floor_sts = nil
+            for i = 1, #handles do
+                cancel(handles[i])
+            end
+            handles = nil
+        end
+        applied = s
+        d:set("switched:" .. wid, s)
+    end))
 end
 
 
