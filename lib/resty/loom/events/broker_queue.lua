@@ -62,12 +62,12 @@ local function state(bus)
         slow_timeout = bus.opts.slow_timeout,
     }
     bus.broker_state = b
-    if b.shm then
+    if b.shm and b.shm:held_any() then
         -- A broker before us (killed) may have sent a worker SHM frames it
-        -- has not read yet (its inbox full): the runs written so far stay
-        -- in the rings until every worker has connected to us, which it
-        -- does only once it has read its old connection to the end
-        -- (broker_acks.connected)
+        -- has not read yet (its inbox full): the runs it had not freed
+        -- stay in the rings until every worker has connected to us, which
+        -- it does only once it has read its old connection to the end
+        -- (broker_acks.connected). (The first broker finds nothing held.)
         local waiting = {}
         local workers = ngx.worker.count()
         for wid = 0, workers - 1 do

@@ -230,4 +230,16 @@ function _M.held(self, wid)
 end
 
 
+-- whether any ring holds runs a broker has not freed
+function _M.held_any(self)
+    for wid = 0, self.slots - 1 do
+        local r = ring(self, wid)
+        if r.head > r.free then
+            return true
+        end
+    end
+    return false
+end
+
+
 return _M
