@@ -4,6 +4,7 @@ socket, kill -9 of a subscriber and of the broker, no rings when the module
 is first loaded in a worker."""
 
 import os
+import re
 import signal
 import time
 
@@ -225,14 +226,20 @@ def test_a_new_broker_keeps_the_runs_a_worker_still_holds(nginx):
     r = pub_from(n, 1, "target=all&n=80&size=3000&source=a")
     assert r["ok"] == 80
     wait_received(n, {0: {"1:a:e": 80}})
-    assert ring(ec.states(n), 1)["events"] >= 60
-    pid = ec.states(n)[0]["pid"]
+    st = ec.states(n)
+    assert ring(st, 1)["events"] >= 60
+    # (worker 2 still sleeps in its handler: else this tests nothing)
+    assert st[2]["received"].get("1:a:e", 0) == 0, st[2]["received"]
+    held_by = st[2]["pid"]
+    pid = st[0]["pid"]
     n.kill(pid, signal.SIGKILL)
     n.wait_workers(3, exclude=[pid])
     # 8 rings' worth from worker 1 while worker 2 still sleeps
     r = pub_from(n, 1, "target=all&n=200&size=10000&source=b")
     assert r["ok"] == 200
-    wait_received(n, {w: {"1:b:e": 200} for w in (0, 1)}, timeout=30)
+    st = wait_received(n, {w: {"1:b:e": 200} for w in (0, 1)}, timeout=30)
+    # the new broker freed none of worker 1's runs: "b" took the socket
+    assert ring(st, 1)["full"] > 0, ring(st, 1)
     # worker 2 wakes, reads what it holds, connects to the new broker
     deadline = time.time() + 30
     while True:
@@ -248,6 +255,8 @@ def test_a_new_broker_keeps_the_runs_a_worker_still_holds(nginx):
     # failed (80 in the runs seen; what the dead broker had not sent it,
     # and what the new one dropped for it while it slept, are gone)
     assert st[2]["received"].get("1:a:e", 0) >= 60, st[2]["received"]
+    assert re.search(r" %d#\d+: .*lost the broker: failed to send" % held_by,
+                     n.error_log()), "worker 2's write did not fail first"
     assert st[2]["stats"]["ring"]["overwritten"] == 0, st[2]["stats"]["ring"]
     assert st[2]["order_errors"] == 0
     # every worker has connected: the rings are free again
