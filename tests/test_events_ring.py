@@ -205,17 +205,16 @@ def test_runs_not_acknowledged_stay_for_a_re_send(nginx):
         assert st[w]["stats"]["ring"]["overwritten"] == 0, w
 
 
-def test_a_new_broker_keeps_the_runs_a_worker_still_holds(nginx):
-    """Worker 2 holds SHM frames from the broker unread (its inbox full)
-    when the broker is killed. The new broker knows nothing of them: it
-    keeps every run in the rings until each worker has connected to it
-    (which a worker does only after reading its old connection to the
-    end), so what the publisher writes meanwhile goes on the socket and
-    none of those runs is written over."""
-    # (pings every 0.1 s: worker 2's writer fails on the dead broker long
-    # before its reader gets to what it holds)
-    n = start(nginx, opts="max_backlog = 20, slow_timeout = 0.5, "
-              "heartbeat = 0.2, ring_bytes = 262144", extra_worker=BLOCK5)
+# (pings every 0.1 s: worker 2's writer fails on the dead broker long
+# before its reader gets to what it holds)
+GATE = ("max_backlog = 20, slow_timeout = 0.5, heartbeat = 0.2, "
+        "ring_bytes = 262144")
+
+
+def close_the_gate(n):
+    """Worker 2 sleeps in a handler (its inbox full) holding SHM frames
+    from the broker, which is then killed; worker 1 publishes 8 rings'
+    worth. Returns (states, the killed broker's pid, worker 2's pid)."""
     n.allow_log(r"exited on signal 9")
     n.allow_log(r"\((104: Connection reset by peer|32: Broken pipe)\)")
     n.allow_log(r"dropping events for worker 2")
@@ -231,39 +230,96 @@ def test_a_new_broker_keeps_the_runs_a_worker_still_holds(nginx):
     # (worker 2 still sleeps in its handler: else this tests nothing)
     assert st[2]["received"].get("1:a:e", 0) == 0, st[2]["received"]
     held_by = st[2]["pid"]
-    pid = st[0]["pid"]
-    n.kill(pid, signal.SIGKILL)
-    n.wait_workers(3, exclude=[pid])
-    # 8 rings' worth from worker 1 while worker 2 still sleeps
+    broker = st[0]["pid"]
+    n.kill(broker, signal.SIGKILL)
+    n.wait_workers(3, exclude=[broker])
     r = pub_from(n, 1, "target=all&n=200&size=10000&source=b")
     assert r["ok"] == 200
     st = wait_received(n, {w: {"1:b:e": 200} for w in (0, 1)}, timeout=30)
     # the new broker freed none of worker 1's runs: "b" took the socket
     assert ring(st, 1)["full"] > 0, ring(st, 1)
-    # worker 2 wakes, reads what it holds, connects to the new broker
-    deadline = time.time() + 30
+    return st, broker, held_by
+
+
+def wait_worker2_connected(n, timeout=30):
+    deadline = time.time() + timeout
     while True:
         st = ec.states(n)
         q2 = st[0]["stats"]["broker"]["queues"].get("2")
         if q2 and q2["connected"]:
-            break
+            return st
         assert time.time() < deadline, q2
         time.sleep(0.1)
-    st = ec.states(n)
-    print("worker 2:", st[2]["received"], st[2]["stats"]["ring"])
-    # it handled what it held, even after its ping to the dead broker
-    # failed (80 in the runs seen; what the dead broker had not sent it,
-    # and what the new one dropped for it while it slept, are gone)
+
+
+def held_runs_read_whole(n, st, held_by):
+    """Worker 2 handled what it held (80 in the runs seen; what the dead
+    broker had not sent it, and what the new one dropped for it while it
+    slept, are gone), though its write to the dead broker failed first."""
     assert st[2]["received"].get("1:a:e", 0) >= 60, st[2]["received"]
     assert re.search(r" %d#\d+: .*lost the broker: failed to send" % held_by,
                      n.error_log()), "worker 2's write did not fail first"
     assert st[2]["stats"]["ring"]["overwritten"] == 0, st[2]["stats"]["ring"]
     assert st[2]["order_errors"] == 0
-    # every worker has connected: the rings are free again
+
+
+def rings_free_again(n, st, source="c"):
     before = ring(st, 1)["events"]
+    assert pub_from(n, 1, "target=all&n=100&source=" + source)["ok"] == 100
+    st = wait_received(n, {w: {"1:%s:e" % source: 100} for w in range(3)})
+    assert ring(st, 1)["events"] - before >= 90, ring(st, 1)
+
+
+def test_a_new_broker_keeps_the_runs_a_worker_still_holds(nginx):
+    """Worker 2 holds SHM frames from the broker unread (its inbox full)
+    when the broker is killed. The new broker knows nothing of them: it
+    keeps every run in the rings until each worker has connected to it
+    (which a worker does only after reading its old connection to the
+    end), so what the publisher writes meanwhile goes on the socket and
+    none of those runs is written over. Then the rings are used again."""
+    n = start(nginx, opts=GATE, extra_worker=BLOCK5)
+    _, _, held_by = close_the_gate(n)
+    st = wait_worker2_connected(n)
+    held_runs_read_whole(n, st, held_by)
+    rings_free_again(n, st)
+
+
+def test_a_second_broker_crash_while_the_gate_is_closed(nginx):
+    n = start(nginx, opts=GATE, extra_worker=BLOCK5)
+    _, first, held_by = close_the_gate(n)
+    pid = ec.states(n)[0]["pid"]
+    assert pid != first
+    n.kill(pid, signal.SIGKILL)
+    n.wait_workers(3, exclude=[first, pid])
+    r = pub_from(n, 1, "target=all&n=50&size=10000&source=d")
+    assert r["ok"] == 50
+    wait_received(n, {w: {"1:d:e": 50} for w in (0, 1)}, timeout=30)
+    st = wait_worker2_connected(n)
+    held_runs_read_whole(n, st, held_by)
+    rings_free_again(n, st)
+
+
+def test_the_holding_worker_killed_while_the_gate_is_closed(nginx):
+    n = start(nginx, opts=GATE, extra_worker=BLOCK5)
+    _, _, held_by = close_the_gate(n)
+    n.kill(held_by, signal.SIGKILL)
+    n.wait_workers(3, exclude=[held_by])
+    st = wait_worker2_connected(n)
+    assert st[2]["pid"] != held_by
+    rings_free_again(n, st)
+
+
+def test_a_reload_while_the_gate_is_closed(nginx):
+    n = start(nginx, opts=GATE, extra_worker=BLOCK5)
+    close_the_gate(n)
+    old = n.worker_pids()
+    new = n.reload()
+    assert n.wait_gone(old, timeout=30)
+    st = ec.wait_ready(n)
+    assert all(s["pid"] in new for s in st.values())
     assert pub_from(n, 1, "target=all&n=100&source=c")["ok"] == 100
     st = wait_received(n, {w: {"1:c:e": 100} for w in range(3)})
-    assert ring(st, 1)["events"] - before >= 90, ring(st, 1)
+    assert ring(st, 1)["events"] >= 90, ring(st, 1)
 
 
 def wait_received(n, want, timeout=20):
