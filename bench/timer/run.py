@@ -50,6 +50,7 @@ init_by_lua_block {
 init_worker_by_lua_block {
     %(init_worker)s
     require("timer_bench").init_worker(%(n)d, %(iv)s)
+    %(init_worker_after)s
 }
 """
 
@@ -115,16 +116,19 @@ def stop(ngx):
     ngx.cleanup()
 
 
-def start(variant, workers=2, n=0, iv=0.1, init_worker=""):
+def start(variant, workers=2, n=0, iv=0.1, init_worker="",
+          init_worker_after=""):
     """nginx running the bench for variant, its workers ready. init_worker:
-    Lua run first in init_worker_by_lua (a profiler, say)."""
+    Lua run first in init_worker_by_lua (a profiler, say);
+    init_worker_after: Lua run last (tax.py's switch)."""
     peer = ""
     if variant == "ng":
         peer = "%s/lib/?.lua;%s/lib/?/init.lua;" % (PEER, PEER)
     elif variant in ("base", "base_nostats"):
         peer = "%s/?.lua;" % BASE_LIB
     http = HTTP % {"root": ROOT, "peer": peer, "variant": variant, "n": n,
-                   "iv": repr(iv), "init_worker": init_worker}
+                   "iv": repr(iv), "init_worker": init_worker,
+                   "init_worker_after": init_worker_after}
     ngx = Nginx(workers=workers, http=http, server=SERVER,
                 main="worker_rlimit_nofile 20000;",
                 worker_connections=16384, error_log_level="warn",

@@ -55,7 +55,9 @@ def callback_rate(a, b):
 
 
 def cell(variant, n, phases, settle, window):
-    ngx = start_switched(variant, n)
+    # (init_switch needs the state init_worker sets up)
+    ngx = tb.start(variant, 2, 0, 0.1, init_worker_after=(
+        'require("timer_bench").init_switch(%d, 0.1)' % n))
     state = {"s": 0}
 
     def switch(on):
@@ -95,21 +97,6 @@ def cell(variant, n, phases, settle, window):
                                 else tb.early_fires(tb.pubs(ngx, 2)))}
     finally:
         tb.stop(ngx)
-
-
-def start_switched(variant, n):
-    """nginx for variant with no timers and the switch (init_switch, which
-    needs the state init_worker sets up) for n of them."""
-    call = "require(\"timer_bench\").init_worker(%(n)d, %(iv)s)"
-    assert call in tb.HTTP
-    http = tb.HTTP.replace(call, call + (
-        "\n    require(\"timer_bench\").init_switch(%d, 0.1)" % n))
-    saved = tb.HTTP
-    tb.HTTP = http
-    try:
-        return tb.start(variant, 2, 0, 0.1)
-    finally:
-        tb.HTTP = saved
 
 
 def main():

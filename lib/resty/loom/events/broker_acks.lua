@@ -64,20 +64,6 @@ local function watermarks(b, slow)
 end
 
 
--- pops the entries of fifo q below index low: the last one's value
-local function pop_below(q, low)
-    local last
-    while true do
-        local i, v = q:peek()
-        if not i or i >= low then
-            return last
-        end
-        q:pop()
-        last = v
-    end
-end
-
-
 local function send_acks(b)
     local low, held = watermarks(b, b.slow_timeout)
     -- the runs no queue holds any more leave their publishers' rings
@@ -85,7 +71,7 @@ local function send_acks(b)
     -- release frees everything before it)
     if not b.rings_waiting then
         for wid, runs in pairs(b.rings) do
-            local stop = pop_below(runs, held)
+            local stop = runs:pop_below(held)
             if stop then
                 b.shm:release(wid, stop)
             end
@@ -93,7 +79,7 @@ local function send_acks(b)
     end
     for _, q in pairs(b.queues) do
         local c = q.conn
-        local last = c and c.ackq and pop_below(c.ackq, low)
+        local last = c and c.ackq and c.ackq:pop_below(low)
         if last then
             frame.put_empty(c.ctl, T_ACK, last)
             wake_writer(q)
@@ -110,8 +96,7 @@ local function connected(b, wid)
         return
     end
     waiting[wid] = nil
-    b.rings_left = b.rings_left - 1
-    if b.rings_left > 0 then
+    if next(waiting) ~= nil then
         return
     end
     b.rings_waiting = nil

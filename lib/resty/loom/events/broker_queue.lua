@@ -69,15 +69,13 @@ local function state(bus)
         -- it does only once it has read its old connection to the end
         -- (broker_acks.connected). (The first broker finds nothing held.)
         local waiting = {}
-        local workers = ngx.worker.count()
-        for wid = 0, workers - 1 do
+        for wid = 0, ngx.worker.count() - 1 do
             waiting[wid] = true
         end
         if bus.opts.privileged_agent then
             waiting[frame.AGENT] = true
         end
         b.rings_waiting = waiting
-        b.rings_left = workers + (bus.opts.privileged_agent and 1 or 0)
         b.old_heads = b.shm:heads()
     end
     return b

@@ -84,11 +84,8 @@ local function take(self, aq)
     -- the next event that cannot travel in the ring: a run stops before it
     -- (those before first were taken, or dropped by drop_oldest)
     local pq = self.plain_q
+    pq:pop_below(first)
     local plain = pq:peek()
-    while plain and plain < first do
-        pq:pop()
-        plain = pq:peek()
-    end
     local runs = self.ring_runs
     local _, keep = runs:peek()
     -- a run in the ring; or, first being such an event, the events of

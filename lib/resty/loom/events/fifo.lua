@@ -89,6 +89,23 @@ function _M.pop(self)
 end
 
 
+-- pops the pairs whose first value is below low; returns the second value
+-- of the last one popped, or nil when none was
+function _M.pop_below(self, low)
+    local last
+    while self.n > 0 do
+        local h = self.head
+        if self.a[h] >= low then
+            break
+        end
+        last = self.b[h]
+        self.n = self.n - 1
+        self.head = h == self.cap and 1 or h + 1
+    end
+    return last
+end
+
+
 function _M.clear(self)
     self.head, self.n = 1, 0
 end

@@ -132,14 +132,7 @@ local function on_ack(self, seq)
     if freed > 0 then
         wake_publishers(self, freed)
     end
-    local runs = self.ring_runs
-    while true do
-        local s = runs:peek()
-        if not s or s > seq then
-            break
-        end
-        runs:pop()
-    end
+    self.ring_runs:pop_below(seq + 1)
 end
 
 
