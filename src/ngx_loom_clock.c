@@ -2,11 +2,16 @@
 /*
  * Copyright (C) resty-loom authors
  *
- * The CPU's time-stamp counter, for resty.loom.timer: it times each
- * callback of a run of timers, and on the virtual machines it runs on a
- * read of the counter costs a third of a clock_gettime() (10 ns against
- * 33 ns, through the FFI). The caller scales the ticks against
- * clock_gettime() at the start of each run; 0 means no counter here.
+ * Clocks for resty.loom.timer. The CPU's time-stamp counter times each
+ * callback of a run of timers: on the virtual machines it runs on, a read
+ * of the counter costs a third of a clock_gettime() (10 ns against 33 ns,
+ * through the FFI). The caller scales the ticks against clock_gettime()
+ * at the start of each run; 0 means no counter here.
+ *
+ * The event loop's millisecond clock (ngx_current_msec) tells, read
+ * through a pointer without a call, whether the loop has turned: without
+ * statistics a lane reads the counter only after some runs, and after any
+ * callback that yielded.
  */
 
 
@@ -18,6 +23,7 @@
 
 
 double ngx_loom_ffi_tsc(void);
+const uint32_t *ngx_loom_ffi_loop_msec(void);
 
 
 double
@@ -27,5 +33,21 @@ ngx_loom_ffi_tsc(void)
     return (double) __rdtsc();
 #else
     return 0;
+#endif
+}
+
+
+/* the low 32 bits of ngx_current_msec: they change whenever it does */
+const uint32_t *
+ngx_loom_ffi_loop_msec(void)
+{
+    const uint32_t  *p;
+
+    p = (const uint32_t *) (const void *) &ngx_current_msec;
+
+#if (NGX_HAVE_LITTLE_ENDIAN)
+    return p;
+#else
+    return p + (sizeof(ngx_msec_t) / sizeof(uint32_t) - 1);
 #endif
 }

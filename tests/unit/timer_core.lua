@@ -701,3 +701,166 @@ case("a run's end time comes from the lap clock when one is given", function()
     check(not ok and tostring(err):find("opts.lap must be", 1, true),
           "lap is checked: " .. tostring(err))
 end)
+
+
+-- the way a lane drives the engine: groups of runs until the queue is empty
+local function run_lane(t, now, slice)
+    t:lap_start(now)
+    local more, start = true, now
+    while more do
+        more, now = t:run_group(now, start + slice)
+        if more and now - start >= slice then
+            start = now
+            t:lap_start(now)
+        end
+    end
+end
+
+
+-- an engine without statistics, its lap clock's reads counted; e.work(us)
+-- is a callback taking that long; msec stands for the event loop's
+-- millisecond counter
+local function untimed_env(opts)
+    local e = { now = 1e9, laps = 0, lap_t = 1e9 }
+    e.msec = require("ffi").new("uint32_t[1]")
+    function e.work(us)
+        e.lap_t = math.max(e.lap_t, e.now) + us
+    end
+    opts = opts or {}
+    opts.clock = function() return e.now end
+    opts.lap = function()
+        e.laps = e.laps + 1
+        e.lap_t = math.max(e.lap_t, e.now)
+        return e.lap_t
+    end
+    if opts.stats == nil then
+        opts.stats = false
+    end
+    if opts.loop_msec == nil then
+        opts.loop_msec = e.msec
+    elseif opts.loop_msec == false then
+        opts.loop_msec = nil                -- no loop clock
+    end
+    e.t = core.new(opts)
+    return e
+end
+
+
+case("without statistics, short runs share one clock read per group",
+     function()
+    local G = core.LAP_GROUP
+    for _, v in ipairs({
+        { name = "no statistics", group = true },
+        { name = "statistics", opts = { stats = true } },
+        { name = "no loop clock", opts = { loop_msec = false } },
+    }) do
+        local e = untimed_env(v.opts)
+        local runs = 0
+        for _ = 1, 1600 do
+            e.t:every(0.1, function()
+                runs = runs + 1
+                e.work(0.5)
+            end)
+        end
+        for _ = 1, 3 do
+            e.now = e.now + 100000
+            e.t:advance(e.now)
+            run_lane(e.t, e.now, 2000)
+        end
+        eq(runs, 4800, v.name .. ": runs")
+        if v.group then
+            check(e.laps >= runs / G and e.laps <= runs / G + 6,
+                  v.name .. ": " .. e.laps .. " reads for " .. runs)
+        else
+            eq(e.laps, runs, v.name .. ": a read per run")
+        end
+        eq(e.t:counts().pending, 1600, v.name .. ": all re-armed")
+    end
+end)
+
+
+case("without statistics, slow runs are timed one by one", function()
+    local e = untimed_env()
+    local runs = 0
+    for _ = 1, 400 do
+        e.t:every(0.1, function()
+            runs = runs + 1
+            e.work(5)
+        end)
+    end
+    e.now = e.now + 100000
+    e.t:advance(e.now)
+    run_lane(e.t, e.now, 1e6)
+    eq(runs, 400, "runs")
+    -- the first group is read at its end, then every run
+    check(e.laps >= 400 - core.LAP_GROUP and e.laps <= 400,
+          e.laps .. " reads")
+end)
+
+
+case("without statistics, a run that needs its end is timed", function()
+    -- a callback that yields (the loop's millisecond counter moves): its
+    -- missed ticks are skipped as with statistics
+    local e = untimed_env()
+    local runs, at = 0, {}
+    e.t:every(0.1, function()
+        runs = runs + 1
+        at[runs] = e.now
+        if runs == 1 then
+            e.msec[0] = e.msec[0] + 350     -- it slept 350 ms
+            e.lap_t = e.now + 350000
+        end
+    end)
+    e.now = e.now + 100000
+    e.t:advance(e.now)
+    run_lane(e.t, e.now, 2000)
+    eq(e.t.totals.skipped, 3, "0.2, 0.3 and 0.4 s skipped")
+    local w = e.t:next_wake()
+    eq(w, at[1] + 400000, "next run on the grid after the sleep")
+
+    -- fixed delay: the next run counts from the end of this one
+    e = untimed_env()
+    e.t:every({ interval = 0.1, mode = "fixed_delay" }, function()
+        e.lap_t = e.now + 30000            -- this run took 30 ms
+    end)
+    e.now = e.now + 100000
+    e.t:advance(e.now)
+    local laps = e.laps
+    run_lane(e.t, e.now, 2000)
+    check(e.laps > laps, "fixed delay read the clock")
+    eq(e.t:next_wake(), e.now + 130000, "due 0.1 s after the end")
+
+    -- a maximum run time: the run is timed, the overrun reported
+    e = untimed_env({ max_run_time = 0.01 })
+    e.logs = {}
+    e.t.log = function(level, msg) e.logs[#e.logs + 1] = level .. msg end
+    e.t:every(0.1, function() e.lap_t = e.now + 20000 end)
+    e.now = e.now + 100000
+    e.t:advance(e.now)
+    run_lane(e.t, e.now, 2000)
+    eq(e.t.totals.overruns, 1, "overrun counted")
+    check(e.logs[1] and e.logs[1]:find("over its maximum run time", 1,
+                                        true), "overrun logged")
+end)
+
+
+case("a timer cancelled or paused while queued leaves the queue at once",
+     function()
+    local e = env()
+    local ran = {}
+    local hs = {}
+    for i = 1, 4 do
+        hs[i] = e.t:at(0, function() ran[i] = true end)
+    end
+    eq(e.t:queued(), 4, "queued")
+    check(e.t:cancel(hs[2]), "cancel")
+    check(e.t:pause(hs[3]), "pause")
+    eq(e.t:queued(), 2, "two left in the queue")
+    eq(e.t:counts().timers, 3, "the cancelled one is freed")
+    while e.t:run_next() do end
+    check(ran[1] and ran[4] and not ran[2] and not ran[3], "ran 1 and 4")
+    check(e.t:resume(hs[3]), "resume")
+    eq(e.t:queued(), 1, "queued again")
+    while e.t:run_next() do end
+    check(ran[3], "ran 3 after resume")
+end)

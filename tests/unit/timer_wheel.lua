@@ -196,3 +196,29 @@ case("re-insert from inside on_expire", function()
         check(runs[i] == 3 * i, tostring(runs[i]))
     end
 end)
+
+
+case("the ready list: in order, removable anywhere, counted", function()
+    local w = wheel.new(0, 16)
+    for id = 1, 5 do
+        w:push(id, 100 + id)
+    end
+    check(w.ready == 5 and w.count == 0, "five ready, none in the slots")
+    check(w:remove(3) and w:remove(1) and w:remove(5), "removed")
+    check(not w:remove(3), "not twice")
+    check(w.ready == 2)
+    local id, t = w:pop()
+    check(id == 2 and t == 102, "first in, first out: " .. id)
+    w:push(7, 107)
+    id = w:pop()
+    check(id == 4, "then 4")
+    id, t = w:pop()
+    check(id == 7 and t == 107, "then 7")
+    check(w:pop() == 0 and w.ready == 0, "empty")
+    -- a timer in a slot is not in the ready list, and back
+    w:insert(6, 3)
+    check(w:contains(6) and w.ready == 0)
+    w:advance(3, function(ctx, i) ctx:push(i, 3) end, w)
+    check(not w:contains(6) and w.ready == 1 and w.count == 0)
+    check(w:remove(6) and w.ready == 0, "removed from the ready list")
+end)

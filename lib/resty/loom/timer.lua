@@ -95,6 +95,15 @@ if has_tsc then
 end
 
 
+-- the event loop's millisecond clock (src/ngx_loom_clock.c), read by a
+-- lane without statistics to tell whether a callback yielded
+local loop_msec
+if pcall(ffi.cdef, "const uint32_t *ngx_loom_ffi_loop_msec(void);") then
+    local ok, fn = pcall(function() return C.ngx_loom_ffi_loop_msec end)
+    loop_msec = ok and fn() or nil
+end
+
+
 local function run_start()
     local us = clock()
     if has_tsc then
@@ -197,6 +206,7 @@ local function engine()
             resolution = cfg.resolution,
             clock = clock,
             lap = has_tsc and tsc_lap or clock,
+            loop_msec = loop_msec,
             wake = wake,
             log = log_hook,
             stats = cfg.stats,
@@ -243,11 +253,11 @@ local function lane(r)
     local slice = cfg.slice * 1e6
     local start = run_start()
     local now = start
-    -- runs back to back: the end of one run is the start of the next (one
-    -- clock read per run)
-    while e:run_next(now) do
-        now = e.last_end
-        if now - start >= slice and e:queued() > 0 then
+    local more = true
+    e:lap_start(start)
+    while more do
+        more, now = e:run_group(now, start + slice)
+        if more and now - start >= slice and e:queued() > 0 then
             parked = parked + 1
             yield()
             parked = parked - 1
@@ -256,6 +266,7 @@ local function lane(r)
             sema:post(1)
             start = run_start()
             now = start
+            e:lap_start(start)
         end
     end
     r.threads = r.threads - 1

@@ -18,6 +18,7 @@ local notify = sched.notify
 local schedule = sched.schedule
 
 local PENDING = job.PENDING
+local QUEUED = job.QUEUED
 local RUNNING = job.RUNNING
 local PAUSED = job.PAUSED
 local STATE_NAMES = job.STATE_NAMES
@@ -53,7 +54,7 @@ function _M.cancel(self, h)
         j.flags = bor(j.flags, F_CANCEL)
         release_name(self, id)
     else
-        if st == PENDING then
+        if st == PENDING or st == QUEUED then
             self.wheel:remove(id)
         end
         free_job(self, id)
@@ -77,8 +78,10 @@ function _M.pause(self, h)
         return true
     end
     local remaining = 0
-    if st == PENDING then
+    if st == PENDING or st == QUEUED then
         self.wheel:remove(id)
+    end
+    if st == PENDING then
         remaining = j.due - self.clock()
         if remaining < 0 then
             remaining = 0

@@ -15,6 +15,7 @@ local control = require "resty.loom.timer.control"
 local run = require "resty.loom.timer.run"
 
 local floor = math.floor
+local huge = math.huge
 local random = math.random
 local error = error
 local setmetatable = setmetatable
@@ -28,10 +29,17 @@ end
 
 
 local ID_SPAN = job.ID_SPAN
+-- without statistics, short runs share one clock read per this many
+-- (resty.loom.timer.run's lap_now)
+local LAP_GROUP = 16
 
 
 -- any value (ctx is only handed back to wake)
 local function any() end
+
+local function is_cdata(v)
+    return type(v) == "cdata"
+end
 
 local RULES = {
     resolution = options.number(0.001, 1),
@@ -47,12 +55,14 @@ local RULES = {
     err_level = options.whole(1, 100),
     max_run_time = options.above(0, 1e9),
     max_names = options.whole(0, 1e6),
+    loop_msec = options.test(is_cdata, "a pointer (cdata)"),
 }
 
 
 local _M = {
     _VERSION = "0.2.0",
     MAX_TIMERS = ID_SPAN - 1,
+    LAP_GROUP = LAP_GROUP,
     at = create.at,
     every = create.every,
     cancel = control.cancel,
@@ -66,6 +76,8 @@ local _M = {
     next_deadline = sched.next_deadline,
     queued = sched.queued,
     run_next = run.run_next,
+    run_group = run.run_group,
+    lap_start = run.lap_start,
     exit = run.exit,
 }
 local mt = { __index = _M }
@@ -90,11 +102,22 @@ function _M.new(opts)
     local res_us = floor(res * 1e6 + 0.5)
     local now = clock()
     local store = new_store(cap + 1)
+    local group_laps = opts.stats == false and opts.loop_msec ~= nil
     local self = {
         res = res_us,
         clock = clock,
         lap = opts.lap or clock,    -- a cheaper clock within a run (us)
         wake = opts.wake,           -- wake(ctx): the earliest deadline moved
+        -- the low 32 bits of the event loop's millisecond clock: a
+        -- callback that yields lets it move. Without it (or with
+        -- statistics) every run is timed
+        loop_msec = opts.loop_msec,
+        -- without statistics, short runs go untimed and a lane reads the
+        -- clock after each group of at most lap_group of them (run.lap_now)
+        group_laps = group_laps,
+        lap_group = group_laps and LAP_GROUP or huge,
+        lap_every = group_laps and LAP_GROUP or huge,
+        lap_t = now,                -- the last read (run.lap_now)
         ctx = opts.ctx,
         log = opts.log or default_log,
         random = opts.random or random,
@@ -122,11 +145,6 @@ function _M.new(opts)
         name_of = {},
         maxrt = {},
         names = {},
-        q_id = tbl_new(256, 0),
-        q_tok = tbl_new(256, 0),
-        q_time = tbl_new(256, 0),
-        qh = 1,
-        qt = 0,
         alive = 0,
         running = 0,
         paused = 0,
@@ -167,7 +185,7 @@ function _M.counts(self)
     return {
         timers = self.alive,
         pending = self.wheel.count,
-        queued = self.qt - self.qh + 1,
+        queued = self.wheel.ready,
         running = self.running,
         paused = self.paused,
         capacity = self.cap,

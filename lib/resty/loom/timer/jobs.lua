@@ -20,7 +20,6 @@ typedef struct {
     double   due;       /* nominal due time (us); remaining time if paused */
     double   interval;  /* us; 0 for one-shot timers */
     uint32_t gen;
-    uint32_t qtok;
     uint32_t site;      /* index of the site record; 0: none */
     uint8_t  state;
     uint8_t  flags;
@@ -192,6 +191,7 @@ local _M = {
     F_EXTRA = F_EXTRA,
     ONCE = ONCE,
     FIXED_RATE = FIXED_RATE,
+    FIXED_DELAY = FIXED_DELAY,
     MODES = MODES,
     ID_SPAN = ID_SPAN,
     GEN_SPAN = GEN_SPAN,

@@ -1,6 +1,6 @@
 -- Scheduling: a job waits in the timing wheel until its tick, then in the
--- ready queue (FIFO; a token per entry skips jobs cancelled or paused while
--- queued). The driver is woken when the earliest deadline moves sooner.
+-- wheel's ready list (in order of arrival) until a lane runs it. The
+-- driver is woken when the earliest deadline moves sooner.
 
 
 local job = require "resty.loom.timer.jobs"
@@ -11,7 +11,6 @@ local AWAKE = -math.huge            -- sleep_until while the driver is awake
 
 local PENDING = job.PENDING
 local QUEUED = job.QUEUED
-local GEN_SPAN = job.GEN_SPAN
 
 
 -- sleep_until is a number whatever the driver does (-inf: awake), so
@@ -31,15 +30,8 @@ end
 
 
 local function enqueue(self, id, now)
-    local j = self.jobs[id]
-    j.state = QUEUED
-    local tok = (j.qtok + 1) % GEN_SPAN
-    j.qtok = tok
-    local qt = self.qt + 1
-    self.qt = qt
-    self.q_id[qt] = id
-    self.q_tok[qt] = tok
-    self.q_time[qt] = now
+    self.jobs[id].state = QUEUED
+    self.wheel:push(id, now)
 end
 
 
@@ -60,54 +52,13 @@ local function on_expire(self, id)
 end
 
 
--- skips stale entries (jobs cancelled or paused while queued)
-local function pop_slow(self)
-    local qh, qt = self.qh, self.qt
-    local jobs = self.jobs
-    local q_id, q_tok = self.q_id, self.q_tok
-    while qh <= qt do
-        local id = q_id[qh]
-        local tok = q_tok[qh]
-        local qtime = self.q_time[qh]
-        qh = qh + 1
-        local j = jobs[id]
-        if j.state == QUEUED and j.qtok == tok then
-            if qh > qt then
-                self.qh = 1
-                self.qt = 0
-            else
-                self.qh = qh
-            end
-            return id, qtime
-        end
-    end
-    self.qh = 1
-    self.qt = 0
-    return nil
-end
-
-
--- loop-free in the common case, so that the caller's loop compiles
+-- the next job due and when it was queued, or nil
 local function pop(self)
-    local qh, qt = self.qh, self.qt
-    if qh > qt then
-        self.qh = 1
-        self.qt = 0
+    local id, qtime = self.wheel:pop()
+    if id == 0 then
         return nil
     end
-    local id = self.q_id[qh]
-    local j = self.jobs[id]
-    if j.state == QUEUED and j.qtok == self.q_tok[qh] then
-        local qtime = self.q_time[qh]
-        if qh >= qt then
-            self.qh = 1
-            self.qt = 0
-        else
-            self.qh = qh + 1
-        end
-        return id, qtime
-    end
-    return pop_slow(self)
+    return id, qtime
 end
 
 
@@ -120,19 +71,20 @@ local _M = {
 }
 
 
--- moves every timer due at now_us (default: the clock) to the ready queue;
--- returns the queue length
+-- moves every timer due at now_us (default: the clock) to the ready list;
+-- returns its length
 function _M.advance(self, now_us)
     now_us = now_us or self.clock()
     self.now_us = now_us
-    self.wheel:advance(floor(now_us / self.res), on_expire, self)
-    return self.qt - self.qh + 1
+    local w = self.wheel
+    w:advance(floor(now_us / self.res), on_expire, self)
+    return w.ready
 end
 
 
 -- when the driver must wake next (us), or nil when nothing is scheduled
 function _M.next_wake(self)
-    if self.qt >= self.qh then
+    if self.wheel.ready > 0 then
         return 0
     end
     local t = self.wheel:next_tick()
@@ -154,7 +106,7 @@ end
 
 
 function _M.queued(self)
-    return self.qt - self.qh + 1
+    return self.wheel.ready
 end
 
 

@@ -1,4 +1,5 @@
--- Hierarchical timing wheel over integer ticks (Varghese & Lauck scheme 7).
+-- Hierarchical timing wheel over integer ticks (Varghese & Lauck scheme 7),
+-- and the ready list of timers that are due.
 --
 -- 6 levels of 64 slots; level k has a granularity of 64^k ticks, so the
 -- wheel spans 2^36 ticks (about 21 years at 10 ms, 2 years at 1 ms); later
@@ -9,6 +10,9 @@
 -- copy: resty.loom.timer.array). When the level-0 index wraps, the next
 -- level's current slot is cascaded down; each timer moves down at most once
 -- per level, so it expires exactly on its tick (never before it).
+-- The ready list (push, pop) is one more list of the same links, in order
+-- of arrival: a due timer waits there for its run without a copy, and
+-- remove() takes it out of either.
 -- Ids are small positive integers handed out by the caller (0 means none).
 
 
@@ -28,10 +32,10 @@ local setmetatable = setmetatable
 
 pcall(ffi.cdef, [[
 typedef struct {
-    double   tick;
+    double   tick;      /* in a slot: the due tick; ready: when it came */
     int32_t  next;
     int32_t  prev;
-    int32_t  slot;      /* slot + 1; 0: not in the wheel */
+    int32_t  slot;      /* slot + 1 (READY + 1: ready); 0: in neither */
     int32_t  pad;
 } loom_timer_wnode_t;
 ]])
@@ -47,6 +51,7 @@ for k = 0, LEVELS do
     SPAN[k] = SLOTS ^ k
 end
 local TOP = SPAN[LEVELS] - 1
+local READY = LEVELS * SLOTS        -- the ready list's "slot"
 
 
 local _M = { _VERSION = "0.2.0", LEVELS = LEVELS, SLOTS = SLOTS }
@@ -64,7 +69,10 @@ function _M.new(now, cap)
         head = ffi_new("int32_t[?]", LEVELS * SLOTS),
         cnt = ffi_new("int32_t[?]", LEVELS),    -- timers per level
         now = now or 0,
-        count = 0,
+        count = 0,              -- timers in the slots
+        rhead = 0,              -- the ready list: first, last, length
+        rtail = 0,
+        ready = 0,
     }
     return setmetatable(self, mt)
 end
@@ -136,7 +144,48 @@ function _M.insert(self, id, tick)
 end
 
 
--- unlinks id; returns false when it was not in the wheel
+-- appends id to the ready list; t: when it came (pop() gives it back)
+function _M.push(self, id, t)
+    local nodes = self.nodes
+    local nd = nodes[id]
+    local tail = self.rtail
+    nd.tick = t
+    nd.next = 0
+    nd.prev = tail
+    nd.slot = READY + 1
+    if tail ~= 0 then
+        nodes[tail].next = id
+    else
+        self.rhead = id
+    end
+    self.rtail = id
+    self.ready = self.ready + 1
+end
+
+
+-- the first id of the ready list and when it came, or 0 when it is empty
+function _M.pop(self)
+    local id = self.rhead
+    if id == 0 then
+        return 0, 0
+    end
+    local nodes = self.nodes
+    local nd = nodes[id]
+    local nx = nd.next
+    self.rhead = nx
+    if nx ~= 0 then
+        nodes[nx].prev = 0
+    else
+        self.rtail = 0
+    end
+    nd.slot = 0
+    self.ready = self.ready - 1
+    return id, nd.tick
+end
+
+
+-- unlinks id from its slot or from the ready list; returns false when it
+-- was in neither
 function _M.remove(self, id)
     local nodes = self.nodes
     local nd = nodes[id]
@@ -145,6 +194,21 @@ function _M.remove(self, id)
         return false
     end
     local nx, pv = nd.next, nd.prev
+    nd.slot = 0
+    if slot == READY then
+        if pv ~= 0 then
+            nodes[pv].next = nx
+        else
+            self.rhead = nx
+        end
+        if nx ~= 0 then
+            nodes[nx].prev = pv
+        else
+            self.rtail = pv
+        end
+        self.ready = self.ready - 1
+        return true
+    end
     if pv ~= 0 then
         nodes[pv].next = nx
     else
@@ -153,7 +217,6 @@ function _M.remove(self, id)
     if nx ~= 0 then
         nodes[nx].prev = pv
     end
-    nd.slot = 0
     local lvl = rshift(slot, 6)             -- slot / SLOTS
     local cnt = self.cnt
     cnt[lvl] = cnt[lvl] - 1
@@ -162,8 +225,10 @@ function _M.remove(self, id)
 end
 
 
+-- in a slot (not in the ready list)
 function _M.contains(self, id)
-    return self.nodes[id].slot > 0
+    local slot = self.nodes[id].slot
+    return slot > 0 and slot <= READY
 end
 
 
