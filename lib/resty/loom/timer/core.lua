@@ -1,4 +1,4 @@
--- The timer engine without nginx: job store, timing wheel, ready queue,
+-- The timer engine without nginx: job store, timing wheel, ready list,
 -- run/reschedule logic and statistics, driven by an injected clock
 -- (microseconds). resty.loom.timer drives it from native timers; the unit
 -- tests drive it with a fake clock. This module makes an engine and gathers

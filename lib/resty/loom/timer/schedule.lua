@@ -95,7 +95,7 @@ function _M.next_wake(self)
 end
 
 
--- the next wheel deadline (us) only, ignoring the ready queue
+-- the next wheel deadline (us) only, ignoring the ready list
 function _M.next_deadline(self)
     local t = self.wheel:next_tick()
     if t then
