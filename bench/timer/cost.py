@@ -20,23 +20,28 @@ shared machine.
 
 Writes bench/results/timer-cost.json.
 
-  python3 bench/timer/cost.py --profile jitp|jitv [--variants ...]
+  python3 bench/timer/cost.py --profile jitp|jitv|perf [--variants ...]
 
 instead runs one cell per variant with LuaJIT's sampling profiler (jit.p,
 function level, 1 ms: "Fi1") or trace log (jit.v, from before the first
 timer) on in the worker for --window seconds after --warmup; output in
-/tmp/loom-timer-profile/<variant>-<mode>.txt.
+/tmp/loom-timer-profile/<variant>-<mode>.txt. perf: the worker writes its
+trace dump (jit.dump, machine code) and `perf record -e cpu-clock` samples
+it for --window seconds; the text file gives each trace's and each
+function's share of the samples (bench/jitperf.py).
 """
 
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import run as tb  # noqa: E402  (bench/timer/run.py: start(), cpu_ticks())
+import jitperf  # noqa: E402  (bench/jitperf.py, on the path run.py set)
 
 ROOT = tb.ROOT
 benchcli = tb.benchcli
@@ -58,7 +63,22 @@ PROFILE = {
             require("jit.v").off()
         end)
 """,
+    "perf": """
+        require("jit.dump").on("m", "%(out)s.dump")
+""",
 }
+
+
+def perf_shares(ngx, out, warmup, window):
+    pid = ngx.worker_pids()[0]
+    time.sleep(warmup)
+    subprocess.run(["perf", "record", "-q", "-e", "cpu-clock", "-F", "4000",
+                    "-p", str(pid), "-o", out + ".data", "--", "sleep",
+                    str(window)], check=True, capture_output=True)
+    with open(out, "w") as f:
+        for where, share in jitperf.shares(out + ".dump", out + ".data"):
+            if share >= 0.002:
+                f.write("%5.1f %%  %s\n" % (100 * share, where))
 
 
 def profile(mode, variants, timers, warmup, window):
@@ -68,7 +88,10 @@ def profile(mode, variants, timers, warmup, window):
         ngx = tb.start(v, 1, timers, 0.1, PROFILE[mode] % {
             "out": out, "warmup": warmup, "window": window})
         try:
-            time.sleep(warmup + window + 1)
+            if mode == "perf":
+                perf_shares(ngx, out, warmup, window)
+            else:
+                time.sleep(warmup + window + 1)
         finally:
             tb.stop(ngx)
         print(out, flush=True)

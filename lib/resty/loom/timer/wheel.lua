@@ -70,9 +70,7 @@ function _M.new(now, cap)
         cnt = ffi_new("int32_t[?]", LEVELS),    -- timers per level
         now = now or 0,
         count = 0,              -- timers in the slots
-        rhead = 0,              -- the ready list: first, last, length
-        rtail = 0,
-        ready = 0,
+        ready = 0,              -- timers in the ready list
     }
     return setmetatable(self, mt)
 end
@@ -144,40 +142,38 @@ function _M.insert(self, id, tick)
 end
 
 
+-- The ready list is circular through node 0 (id 0 is no timer): its
+-- next is the first id, its prev the last, 0 when the list is empty. No
+-- operation on it branches on an end of the list, so that a trace
+-- recorded on the last timer of a burst is the one every run takes.
+
 -- appends id to the ready list; t: when it came (pop() gives it back)
 function _M.push(self, id, t)
     local nodes = self.nodes
     local nd = nodes[id]
-    local tail = self.rtail
+    local anchor = nodes[0]
+    local tail = anchor.prev
     nd.tick = t
     nd.next = 0
     nd.prev = tail
     nd.slot = READY + 1
-    if tail ~= 0 then
-        nodes[tail].next = id
-    else
-        self.rhead = id
-    end
-    self.rtail = id
+    nodes[tail].next = id
+    anchor.prev = id
     self.ready = self.ready + 1
 end
 
 
 -- the first id of the ready list and when it came, or 0 when it is empty
 function _M.pop(self)
-    local id = self.rhead
+    local nodes = self.nodes
+    local id = nodes[0].next
     if id == 0 then
         return 0, 0
     end
-    local nodes = self.nodes
     local nd = nodes[id]
     local nx = nd.next
-    self.rhead = nx
-    if nx ~= 0 then
-        nodes[nx].prev = 0
-    else
-        self.rtail = 0
-    end
+    nodes[0].next = nx
+    nodes[nx].prev = 0
     nd.slot = 0
     self.ready = self.ready - 1
     return id, nd.tick
@@ -196,16 +192,8 @@ function _M.remove(self, id)
     local nx, pv = nd.next, nd.prev
     nd.slot = 0
     if slot == READY then
-        if pv ~= 0 then
-            nodes[pv].next = nx
-        else
-            self.rhead = nx
-        end
-        if nx ~= 0 then
-            nodes[nx].prev = pv
-        else
-            self.rtail = pv
-        end
+        nodes[pv].next = nx
+        nodes[nx].prev = pv
         self.ready = self.ready - 1
         return true
     end
