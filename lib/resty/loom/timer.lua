@@ -256,8 +256,9 @@ local function lane(r)
     local more = true
     e:lap_start(start)
     while more do
+        -- (it returns with jobs left only once the slice is over)
         more, now = e:run_group(now, start + slice)
-        if more and now - start >= slice and e:queued() > 0 then
+        if more and e:queued() > 0 then
             parked = parked + 1
             yield()
             parked = parked - 1

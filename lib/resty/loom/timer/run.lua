@@ -19,7 +19,6 @@ local str_sub = string.sub
 local record = stats.record
 local release_name = job.release_name
 local free_job = job.free_job
-local pop = sched.pop
 local enqueue = sched.enqueue
 local schedule = sched.schedule
 
@@ -93,8 +92,8 @@ end
 -- of its previous run: runs back to back cost one clock read each, or,
 -- without statistics, one per group of short runs: run_group)
 local function run_next(self, now)
-    local id, qtime = pop(self)
-    if not id then
+    local id, qtime = self.wheel:pop()
+    if id == 0 then
         return false
     end
     local j = self.jobs[id]

@@ -52,22 +52,11 @@ local function on_expire(self, id)
 end
 
 
--- the next job due and when it was queued, or nil
-local function pop(self)
-    local id, qtime = self.wheel:pop()
-    if id == 0 then
-        return nil
-    end
-    return id, qtime
-end
-
-
 local _M = {
     _VERSION = "0.2.0",
     notify = notify,
     enqueue = enqueue,
     schedule = schedule,
-    pop = pop,
 }
 
 
